@@ -1,0 +1,63 @@
+// Host reference of key redundancy (R-KV sec. 3.3, Zipage C.5 and C.7).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/exec/host/scores.hpp"
+#include "kvpolicy/pipeline/concepts.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace host {
+
+// R[t] for the n candidates whose fp32 keys are `keys` ([n][d]); `block` is the
+// cache block size b, which bounds the pairs of the lightning scope.
+template <Redundancy R>
+std::vector<float> redundancy_scores(const R& r, std::span<const float> keys, std::int32_t n, std::int32_t d,
+                                     std::int32_t block) {
+  std::vector<float> kn(keys.begin(), keys.begin() + std::size_t(n) * d);
+  for (std::int32_t t = 0; t < n; ++t) {
+    float ss = 0.0f;
+    for (std::int32_t i = 0; i < d; ++i) ss += kn[std::size_t(t) * d + i] * kn[std::size_t(t) * d + i];
+    const float inv = 1.0f / (std::sqrt(ss) + r.eps);
+    for (std::int32_t i = 0; i < d; ++i) kn[std::size_t(t) * d + i] *= inv;
+  }
+  const bool lightning = R::pairs == redundancy::scope::block;
+  // Pairs (u, v) compared: all, or those of one block.
+  auto range_of = [&](std::int32_t u) {
+    if (!lightning) return std::pair<std::int32_t, std::int32_t>{0, n};
+    const std::int32_t lo = u / block * block;
+    return std::pair<std::int32_t, std::int32_t>{lo, std::min(n, lo + block)};
+  };
+  auto cosine = [&](std::int32_t u, std::int32_t v) {
+    float dot = 0.0f;
+    for (std::int32_t i = 0; i < d; ++i) dot += kn[std::size_t(u) * d + i] * kn[std::size_t(v) * d + i];
+    return dot;
+  };
+  // red(t) = sum over u != t, r(u) != t of C(u, t); r(u) = newest v != u with C(u, v) > theta.
+  std::vector<float> red(static_cast<std::size_t>(n), 0.0f);
+  std::vector<float> col;
+  for (std::int32_t u = 0; u < n; ++u) {
+    const auto [lo, hi] = range_of(u);
+    col.assign(static_cast<std::size_t>(hi - lo), 0.0f);
+    std::int32_t newest = -1;
+    for (std::int32_t v = lo; v < hi; ++v) {
+      if (v == u) continue;
+      col[v - lo] = cosine(u, v);
+      if (col[v - lo] > r.theta) newest = v;
+    }
+    for (std::int32_t v = lo; v < hi; ++v)
+      if (v != u && v != newest) red[v] += col[v - lo];
+  }
+  const float inv_n = 1.0f / static_cast<float>(lightning ? block : n);
+  for (float& x : red) x = x * inv_n / r.tau;
+  softmax(red);
+  return red;
+}
+
+}  // namespace host
+KVP_NAMESPACE_END

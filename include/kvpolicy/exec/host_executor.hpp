@@ -1,0 +1,157 @@
+// The host executor: runs any pipeline with plain loops over host memory. It
+// defines the semantics every other executor reproduces byte for byte.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/query_window_view.hpp"
+#include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/exec/host/aggregate.hpp"
+#include "kvpolicy/exec/host/compact.hpp"
+#include "kvpolicy/exec/host/redundancy.hpp"
+#include "kvpolicy/exec/host/scores.hpp"
+#include "kvpolicy/exec/host/select.hpp"
+#include "kvpolicy/exec/result.hpp"
+#include "kvpolicy/exec/validate.hpp"
+#include "kvpolicy/pipeline/pipeline.hpp"
+#include "kvpolicy/pipeline/traits.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+namespace host {
+
+// Applies an aggregator (or a `then` of two) to one row of candidate scores.
+template <class A>
+void apply_aggregate(const A& a, std::span<float> s, std::span<float> f, std::int32_t history) {
+  if constexpr (TemporalAggregator<A>) {
+    apply_temporal(a, s, f, history);
+  } else if constexpr (SpatialAggregator<A>) {
+    if (!a.first_only || history == 0) apply_pool(a, s);
+  } else if constexpr (detail::is_then<A>::value) {
+    apply_aggregate(a.first, s, f, history);
+    apply_aggregate(a.second, s, f, history);
+  }
+}
+
+}  // namespace host
+
+struct host_executor {
+  bool record_keep_masks = false;  // fill host_result::keep_masks
+  bool record_scores = false;      // fill host_result::scores
+
+  // Compresses every (item, layer, KV head) of the batch in place: scores, keeps
+  // the selected tokens, moves them (and F) per the layout. Throws kvp::error
+  // before writing anything when an input is malformed.
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  host_result compress(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
+                       const query_window_view& queries, const score_view& scores,
+                       const compression_batch& batch) const {
+    validate_shapes(p, cache, queries, scores, batch);
+    validate_batch(p, cache, queries, batch);
+    const layer_range layers = resolve_layers(batch, cache);
+    const std::int32_t H = cache.num_kv_heads, d = cache.head_dim, b = cache.block_size;
+    constexpr bool with_f = uses_score_cache<A>();
+
+    host_result out;
+    const std::size_t items = batch.items.size();
+    out.new_lengths.resize(items);
+    out.released_blocks.resize(items);
+    if (record_keep_masks) out.keep_masks.resize(items);
+    if (record_scores) out.scores.resize(items);
+
+    using clock = std::chrono::steady_clock;
+    auto timed = [&](stage st, auto&& fn) {
+      const auto t0 = clock::now();
+      fn();
+      out.times[st] += std::chrono::duration<double>(clock::now() - t0).count();
+    };
+
+    for (std::size_t i = 0; i < items; ++i) {
+      const batch_item& it = batch.items[i];
+      const std::int32_t T = cache.lengths[it.seq];
+      const std::int32_t n = candidate_end(p.scorer, T);
+      const std::size_t row_count = static_cast<std::size_t>(layers.end - layers.begin) * H;
+      if (record_keep_masks) out.keep_masks[i].assign(row_count * T, 1);
+      if (record_scores) out.scores[i].assign(row_count * T, 0.0f);
+      std::int32_t new_length = T;
+
+      for (std::int32_t l = layers.begin; l < layers.end; ++l) {
+        for (std::int32_t h = 0; h < H; ++h) {
+          const std::size_t row = static_cast<std::size_t>(l - layers.begin) * H + h;
+          std::vector<float> s(static_cast<std::size_t>(T), 0.0f), keys;
+          const std::span<float> cand(s.data(), static_cast<std::size_t>(n));
+
+          timed(stage::score, [&] {
+            if constexpr (AttentionScorer<S> || !std::same_as<R, none>) keys = host::gather_keys(cache, l, it.seq, h, T);
+            if constexpr (AttentionScorer<S>) {
+              host::attention_scores(p.scorer, queries, l, it.query_slot, h, H, keys, T, d, cand);
+            } else if constexpr (KeyScorer<S>) {
+              host::key_scores(p.scorer, cache, l, it.seq, h, T, s);
+            }
+          });
+
+          timed(stage::aggregate, [&] {
+            if constexpr (with_f) {
+              auto f_at = [&](std::int32_t t) -> float& {
+                return scores.at(l, cache.physical_block(it.seq, t), t % b, h);
+              };
+              std::vector<float> f(static_cast<std::size_t>(n));
+              for (std::int32_t t = 0; t < std::min(n, it.history_tokens); ++t) f[t] = f_at(t);
+              host::apply_aggregate(p.aggregate, cand, f, it.history_tokens);
+              for (std::int32_t t = 0; t < n; ++t) f_at(t) = f[t];
+              for (std::int32_t t = n; t < T; ++t) f_at(t) = 0.0f;  // no score: no history
+            } else {
+              host::apply_aggregate(p.aggregate, cand, {}, it.history_tokens);
+            }
+          });
+
+          if constexpr (!std::same_as<R, none>) {
+            timed(stage::redundancy, [&] {
+              const std::vector<float> red = host::redundancy_scores(p.redundancy, keys, n, d, b);
+              for (std::int32_t t = 0; t < n; ++t) s[t] = p.redundancy.combine(s[t], red[t]);
+            });
+          }
+
+          std::vector<std::uint8_t> keep;
+          timed(stage::select, [&] {
+            host::apply_protect(p.protect, s, n);
+            if constexpr (std::same_as<Sel, none>) {
+              keep.assign(static_cast<std::size_t>(T), 1);
+            } else {
+              keep = host::select_keep(p.select, s, it.budget);
+            }
+          });
+          if (record_scores) std::copy(s.begin(), s.end(), out.scores[i].begin() + row * T);
+          if (record_keep_masks) std::copy(keep.begin(), keep.end(), out.keep_masks[i].begin() + row * T);
+
+          timed(stage::layout, [&] {
+            if constexpr (!std::same_as<L, none>) {
+              new_length = host::compact_row(p.layout, cache, with_f ? scores : score_view{}, l, it.seq, h, keep);
+            }
+          });
+        }
+      }
+      out.new_lengths[i] = new_length;
+      const std::int32_t used = (T + b - 1) / b, kept_blocks = (new_length + b - 1) / b;
+      for (std::int32_t blk = kept_blocks; blk < used; ++blk)
+        out.released_blocks[i].push_back(cache.table.block(it.seq, blk));
+    }
+    return out;
+  }
+
+  // For pipelines that read neither queries nor F.
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  host_result compress(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
+                       const compression_batch& batch) const {
+    return compress(p, cache, query_window_view{}, score_view{}, batch);
+  }
+};
+
+KVP_NAMESPACE_END

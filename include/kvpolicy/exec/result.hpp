@@ -1,0 +1,41 @@
+// What the host executor returns: new lengths, released blocks, and what it saw.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "kvpolicy/config.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+enum class stage : std::uint8_t { score, aggregate, redundancy, select, layout };
+inline constexpr std::array<std::string_view, 5> stage_names{"score", "aggregate", "redundancy", "select", "layout"};
+
+struct stage_times {
+  std::array<double, 5> seconds{};
+
+  double& operator[](stage s) noexcept { return seconds[static_cast<std::size_t>(s)]; }
+  double operator[](stage s) const noexcept { return seconds[static_cast<std::size_t>(s)]; }
+  double total() const noexcept {
+    double t = 0;
+    for (double s : seconds) t += s;
+    return t;
+  }
+};
+
+struct host_result {
+  // Per batch item: tokens each (layer, KV head) holds after the layout.
+  std::vector<std::int32_t> new_lengths;
+  // Per batch item: physical blocks past the new length, now free for the engine
+  // (once every layer has been compressed).
+  std::vector<std::vector<std::int32_t>> released_blocks;
+  // Per batch item, when asked for: `[layer][kv_head][T]` (layers of the batch only).
+  std::vector<std::vector<std::uint8_t>> keep_masks;
+  // Per batch item, when asked for: final scores after protect, `[layer][kv_head][T]`.
+  std::vector<std::vector<float>> scores;
+  stage_times times;
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,181 @@
+// Input validation shared by the executors: every check names the field and the
+// value, and all of it runs before any byte of the cache is written.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/query_window_view.hpp"
+#include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/pipeline/pipeline.hpp"
+#include "kvpolicy/pipeline/traits.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+namespace detail {
+
+inline void validate_strides(const kv_strides& s, const paged_kv_view& c, const char* name) {
+  const std::int64_t d = c.head_dim;
+  require(s.dim == 1, fmt::format("cache.{}.dim", name),
+          "is {}; rows of {} {} elements must be contiguous (dim stride 1)", s.dim, d, name_of(c.type));
+  require(s.head >= d, fmt::format("cache.{}.head", name), "is {}; must be at least head_dim {} so rows do not overlap",
+          s.head, d);
+  require(s.token >= d, fmt::format("cache.{}.token", name), "is {}; must be at least head_dim {}", s.token, d);
+  const std::int64_t block_elems = std::int64_t{c.block_size} * c.num_kv_heads * d;
+  require(s.block >= block_elems, fmt::format("cache.{}.block", name),
+          "is {}; must be at least block_size * num_kv_heads * head_dim = {}", s.block, block_elems);
+}
+
+inline void validate_bases(const layer_bases& b, const paged_kv_view& c, std::int32_t l0, std::int32_t l1,
+                           const char* name) {
+  require(b.valid(), fmt::format("cache.{}", name), "has neither a base pointer nor a layer table (null)");
+  for (std::int32_t l = l0; l < l1; ++l) {
+    require(!b.table || b.table[l] != nullptr, fmt::format("cache.{}.table[{}]", name, l), "is a null pointer");
+    const auto addr = reinterpret_cast<std::uintptr_t>(b.layer(l, c.type));
+    require(addr % static_cast<std::uintptr_t>(size_of(c.type)) == 0, fmt::format("cache.{} layer {}", name, l),
+            "address {:#x} is not aligned to the {}-byte {} element", addr, size_of(c.type), name_of(c.type));
+  }
+}
+
+}  // namespace detail
+
+// Resolved layer range of a batch: [begin, end).
+struct layer_range {
+  std::int32_t begin = 0, end = 0;
+};
+
+inline layer_range resolve_layers(const compression_batch& batch, const paged_kv_view& cache) {
+  require(batch.layer_begin >= 0 && batch.layer_begin < cache.num_layers, "batch.layer_begin",
+          "is {}; the cache has {} layers", batch.layer_begin, cache.num_layers);
+  const std::int32_t count = batch.layer_count == 0 ? cache.num_layers - batch.layer_begin : batch.layer_count;
+  require(count > 0 && batch.layer_begin + count <= cache.num_layers, "batch.layer_count",
+          "is {}; layers [{}, {}) exceed the cache's {} layers", batch.layer_count, batch.layer_begin,
+          batch.layer_begin + count, cache.num_layers);
+  return {batch.layer_begin, batch.layer_begin + count};
+}
+
+// Checks what does not depend on the engine's arrays: shapes, pointers, strides and
+// the pipeline's parameters. Cheap; the CUDA executor runs it on the host as is.
+template <class P>
+void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
+                     const score_view& scores, const compression_batch& batch) {
+  require(cache.num_layers > 0, "cache.num_layers", "is {}; must be positive", cache.num_layers);
+  require(cache.num_blocks > 0, "cache.num_blocks", "is {}; must be positive", cache.num_blocks);
+  require(cache.block_size > 0, "cache.block_size", "is {}; must be positive", cache.block_size);
+  require(cache.num_kv_heads > 0, "cache.num_kv_heads", "is {}; must be positive", cache.num_kv_heads);
+  require(cache.head_dim > 0, "cache.head_dim", "is {}; must be positive", cache.head_dim);
+  require(cache.num_seqs > 0, "cache.num_seqs", "is {}; must be positive", cache.num_seqs);
+  require(cache.table.indices != nullptr, "cache.table.indices", "is a null pointer");
+  require(cache.table.is_csr() || cache.table.row_stride > 0, "cache.table.row_stride",
+          "is {}; a dense table needs a positive row stride", cache.table.row_stride);
+  require(cache.lengths != nullptr, "cache.lengths", "is a null pointer");
+  detail::validate_strides(cache.k_stride, cache, "k_stride");
+  detail::validate_strides(cache.v_stride, cache, "v_stride");
+  const layer_range layers = resolve_layers(batch, cache);
+  detail::validate_bases(cache.k, cache, layers.begin, layers.end, "k");
+  detail::validate_bases(cache.v, cache, layers.begin, layers.end, "v");
+
+  using S = typename P::scorer_type;
+  if constexpr (AttentionScorer<S>) {
+    require(p.scorer.window > 0, "pipeline.scorer.window", "is {}; must be positive", p.scorer.window);
+    require(queries.base != nullptr, "queries.base", "is a null pointer; the scorer reads observation queries");
+    require(queries.head_dim == cache.head_dim, "queries.head_dim", "is {}; the cache's head_dim is {}",
+            queries.head_dim, cache.head_dim);
+    require(queries.num_q_heads > 0 && queries.num_q_heads % cache.num_kv_heads == 0, "queries.num_q_heads",
+            "is {}; must be a positive multiple of num_kv_heads {}", queries.num_q_heads, cache.num_kv_heads);
+    require(queries.num_layers >= layers.end, "queries.num_layers", "is {}; the batch reaches layer {}",
+            queries.num_layers, layers.end - 1);
+    require(queries.window >= p.scorer.window, "queries.window",
+            "is {}; the scorer's window of {} queries does not fit", queries.window, p.scorer.window);
+    require(queries.num_slots > 0, "queries.num_slots", "is {}; must be positive", queries.num_slots);
+    const auto addr = reinterpret_cast<std::uintptr_t>(queries.base);
+    require(addr % static_cast<std::uintptr_t>(size_of(queries.type)) == 0, "queries.base",
+            "address {:#x} is not aligned to its {}-byte {} element", addr, size_of(queries.type),
+            name_of(queries.type));
+  }
+  if constexpr (uses_score_cache<typename P::aggregate_type>()) {
+    require(!scores.empty(), "scores.base", "is a null pointer; the aggregator keeps its history in F");
+  }
+  if constexpr (!std::same_as<typename P::redundancy_type, none>) {
+    require(p.redundancy.tau > 0.0f, "pipeline.redundancy.tau", "is {}; must be positive", p.redundancy.tau);
+    require(p.redundancy.eps >= 0.0f, "pipeline.redundancy.eps", "is {}; must not be negative", p.redundancy.eps);
+    require(p.redundancy.theta >= -1.0f && p.redundancy.theta <= 1.0f, "pipeline.redundancy.theta",
+            "is {}; a cosine threshold lies in [-1, 1]", p.redundancy.theta);
+  }
+  auto check_aggregate = [&](const auto& a, const char* field) {
+    using A = std::remove_cvref_t<decltype(a)>;
+    if constexpr (SpatialAggregator<A>) {
+      require(a.kernel > 0 && a.kernel % 2 == 1, fmt::format("pipeline.{}.kernel", field),
+              "is {}; a pooling kernel is odd and positive", a.kernel);
+    }
+  };
+  if constexpr (detail::is_then<typename P::aggregate_type>::value) {
+    check_aggregate(p.aggregate.first, "aggregate.first");
+    check_aggregate(p.aggregate.second, "aggregate.second");
+  } else {
+    check_aggregate(p.aggregate, "aggregate");
+  }
+  require(p.protect.window >= 0, "pipeline.protect.window", "is {}; must not be negative", p.protect.window);
+  require(p.protect.sinks >= 0, "pipeline.protect.sinks", "is {}; must not be negative", p.protect.sinks);
+}
+
+// Checks the batch against the engine's lengths and block table. Reads those arrays,
+// so it runs where they live (the host executor calls it directly).
+template <class P>
+void validate_batch(const P& p, const paged_kv_view& cache, const query_window_view& queries,
+                    const compression_batch& batch) {
+  std::unordered_map<std::int32_t, std::int32_t> seq_of_block;  // block id -> seq using it
+  std::vector<bool> seen_seq(static_cast<std::size_t>(cache.num_seqs), false);
+  for (std::size_t i = 0; i < batch.items.size(); ++i) {
+    const batch_item& it = batch.items[i];
+    const auto field = [&](const char* name) { return fmt::format("batch[{}].{}", i, name); };
+    require(it.seq >= 0 && it.seq < cache.num_seqs, field("seq"), "is {}; the cache has {} sequences", it.seq,
+            cache.num_seqs);
+    require(!seen_seq[static_cast<std::size_t>(it.seq)], field("seq"), "is {}, which the batch names twice", it.seq);
+    seen_seq[static_cast<std::size_t>(it.seq)] = true;
+
+    const std::int32_t T = cache.lengths[it.seq];
+    const std::int64_t capacity = cache.table.capacity(it.seq) * cache.block_size;
+    require(T >= 0 && T <= capacity, fmt::format("cache.lengths[{}]", it.seq),
+            "is {}; the block table holds room for {} tokens", T, capacity);
+    const std::int32_t blocks = (T + cache.block_size - 1) / cache.block_size;
+    for (std::int32_t b = 0; b < blocks; ++b) {
+      const std::int32_t id = cache.table.block(it.seq, b);
+      require(id >= 0 && id < cache.num_blocks, fmt::format("cache.table[seq {}][{}]", it.seq, b),
+              "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
+      const auto [pos, fresh] = seq_of_block.emplace(id, it.seq);
+      require(fresh, fmt::format("cache.table[seq {}][{}]", it.seq, b), "is block id {}, already used by seq {}", id,
+              pos->second);
+    }
+
+    require(it.budget > 0, field("budget"), "is {}; must be positive", it.budget);
+    require(it.budget <= T, field("budget"), "is {}; larger than seq {}'s {} tokens", it.budget, it.seq, T);
+    const std::int32_t w = scorer_window(p.scorer);
+    require(w <= T, "pipeline.scorer.window", "is {}; longer than seq {} (batch[{}]) of {} tokens", w, it.seq, i, T);
+    require(p.protect.window <= T, "pipeline.protect.window", "is {}; longer than seq {} (batch[{}]) of {} tokens",
+            p.protect.window, it.seq, i, T);
+    require(it.history_tokens >= 0 && it.history_tokens <= T, field("history_tokens"),
+            "is {}; must lie in [0, {}] (the sequence's length)", it.history_tokens, T);
+    if constexpr (AttentionScorer<typename P::scorer_type>) {
+      require(it.query_slot >= 0 && it.query_slot < queries.num_slots, field("query_slot"),
+              "is {}; the query window view has {} slots", it.query_slot, queries.num_slots);
+    }
+    if constexpr (!std::same_as<typename P::select_type, none>) {
+      const std::int32_t keep = p.select.keep_count(T, it.budget);
+      const std::int32_t must = protected_count(T, candidate_end(p.scorer, T), p.protect.sinks, p.protect.window);
+      require(keep >= must && keep <= T, field("budget"),
+              "is {}; it keeps {} tokens, but {} are protected (sinks {}, window {}) of {}", it.budget, keep, must,
+              p.protect.sinks, p.protect.window, T);
+    }
+  }
+}
+
+KVP_NAMESPACE_END

@@ -1,0 +1,117 @@
+// The policy concepts. Each names the exact expressions an executor calls; a type
+// that provides them composes with every other stage and runs on host and device.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/none.hpp"
+#include "kvpolicy/core/row_ref.hpp"
+#include "kvpolicy/redundancy/redundancy.hpp"
+#include "kvpolicy/scorer/reductions.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+// Every policy is a small value passed by copy into kernels.
+template <class P>
+concept Policy = std::is_trivially_copyable_v<P> && std::is_default_constructible_v<P>;
+
+// Scores from the observation queries. Given `const S s; float p; int32_t j, t, T;`:
+//   s.window            -> int32_t        queries of the window
+//   s.group             -> group_reduce   over the GQA group
+//   s.reduce            -> window_reduce  over the window
+//   s.transform(p)      -> float          applied to each probability
+//   s.visible(j, t)     -> bool           softmax mask: query at position j sees key t
+//   s.contributes(j, t) -> bool           after the softmax: the query adds to key t
+//   s.key_end(T)        -> int32_t        candidates are keys [0, key_end(T))
+template <class S>
+concept AttentionScorer = Policy<S> && requires(const S& s, float p, std::int32_t i) {
+  { s.window } -> std::convertible_to<std::int32_t>;
+  { s.group } -> std::convertible_to<group_reduce>;
+  { s.reduce } -> std::convertible_to<window_reduce>;
+  { s.transform(p) } -> std::same_as<float>;
+  { s.visible(i, i) } -> std::same_as<bool>;
+  { s.contributes(i, i) } -> std::same_as<bool>;
+  { s.key_end(i) } -> std::same_as<std::int32_t>;
+};
+
+// Scores from each key alone (e.g. key norm). Given `const S s; row_ref k; int32_t t, T;`:
+//   s.key_score(k, t, T) -> float   score of the key k at position t of T
+template <class S>
+concept KeyScorer = Policy<S> && requires(const S& s, row_ref k, std::int32_t t) {
+  { s.key_score(k, t, t) } -> std::same_as<float>;
+};
+
+template <class S>
+concept Scorer = std::same_as<S, none> || AttentionScorer<S> || KeyScorer<S>;
+
+// Across compressions, through the score cache F. Given `const A a; float f, s;`:
+//   a.combine(f, s) -> float   new score of a token with history f and current score s
+//   a.max_norm      -> bool    divide S by its per-head max first
+template <class A>
+concept TemporalAggregator = Policy<A> && requires(const A& a, float f) {
+  { a.combine(f, f) } -> std::same_as<float>;
+  { a.max_norm } -> std::convertible_to<bool>;
+};
+
+// Along the token axis. Given `const A a; float x; int32_t n;`:
+//   a.kernel, a.first_only               window width (odd); pool only on the first compression
+//   a.identity(), a.reduce(x, x), a.finish(x, n) -> float   a fold over each clipped window of n
+template <class A>
+concept SpatialAggregator = Policy<A> && requires(const A& a, float x, std::int32_t n) {
+  { a.kernel } -> std::convertible_to<std::int32_t>;
+  { a.first_only } -> std::convertible_to<bool>;
+  { a.identity() } -> std::same_as<float>;
+  { a.reduce(x, x) } -> std::same_as<float>;
+  { a.finish(x, n) } -> std::same_as<float>;
+};
+
+namespace detail {
+template <class A>
+struct is_then : std::false_type {};
+template <template <class, class> class T, class A, class B>
+  requires requires(T<A, B> t) { t.first; t.second; }
+struct is_then<T<A, B>> : std::true_type {};
+}  // namespace detail
+
+template <class A>
+concept Aggregator = std::same_as<A, none> || TemporalAggregator<A> || SpatialAggregator<A> ||
+                     (detail::is_then<A>::value && Policy<A> && requires(const A& a) {
+                       requires(TemporalAggregator<decltype(a.first)> || SpatialAggregator<decltype(a.first)>);
+                       requires(TemporalAggregator<decltype(a.second)> || SpatialAggregator<decltype(a.second)>);
+                     });
+
+// Key redundancy. Given `const R r; float s, x;`:
+//   R::pairs                      redundancy::scope   which pairs are compared
+//   r.theta, r.tau, r.eps -> float   similarity threshold, softmax temperature, norm epsilon
+//   r.combine(s, x)  -> float     the score after combining score s with redundancy x
+template <class R>
+concept Redundancy = std::same_as<R, none> || (Policy<R> && requires(const R& r, float s) {
+                       { R::pairs } -> std::convertible_to<redundancy::scope>;
+                       { r.theta } -> std::convertible_to<float>;
+                       { r.tau } -> std::convertible_to<float>;
+                       { r.eps } -> std::convertible_to<float>;
+                       { r.combine(s, s) } -> std::same_as<float>;
+                     });
+
+// Scores -> keep mask. Given `const S s; float x; int32_t t, T, k;`:
+//   s.rank_key(x, t, T) -> float    tokens are kept by descending key; ties go to the larger t
+//   s.keep_count(T, k)  -> int32_t  how many to keep, given the batch item's budget k
+template <class S>
+concept Selector = std::same_as<S, none> || (Policy<S> && requires(const S& s, float x, std::int32_t t) {
+                     { s.rank_key(x, t, t) } -> std::same_as<float>;
+                     { s.keep_count(t, t) } -> std::same_as<std::int32_t>;
+                   });
+
+// Keep mask -> moved tokens. Given `const L l; int32_t i;`:
+//   L::moves_tokens        -> bool     whether kept tokens are moved
+//   l.destination(i)       -> int32_t  logical position of the i-th kept token
+template <class L>
+concept Layout = std::same_as<L, none> || (Policy<L> && requires(const L& l, std::int32_t i) {
+                   { L::moves_tokens } -> std::convertible_to<bool>;
+                   { l.destination(i) } -> std::same_as<std::int32_t>;
+                 });
+
+KVP_NAMESPACE_END

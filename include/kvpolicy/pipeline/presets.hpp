@@ -1,0 +1,80 @@
+// The seed systems, one type each: `kvp::presets::zipage{}` is Zipage's configuration
+// (SPEC.md, Presets), and every field can be overridden on the value.
+#pragma once
+
+#include "kvpolicy/aggregate/accumulate.hpp"
+#include "kvpolicy/aggregate/global_score.hpp"
+#include "kvpolicy/aggregate/pool.hpp"
+#include "kvpolicy/aggregate/then.hpp"
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/layout/compact.hpp"
+#include "kvpolicy/pipeline/pipeline.hpp"
+#include "kvpolicy/redundancy/redundancy.hpp"
+#include "kvpolicy/scorer/window_attention.hpp"
+#include "kvpolicy/select/sinks_recent.hpp"
+#include "kvpolicy/select/top_k.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace presets {
+
+// Window attention (group max, window mean, w 16) -> global score (max, alpha 0.8)
+// -> max pool 5 on the first compression -> lightning redundancy (tau 0.4,
+// lambda 0.2) -> top-k -> compact.
+struct zipage : pipeline<scorer::window_attention, aggregate::then<aggregate::global_score, aggregate::pool>,
+                         redundancy::lightning, select::top_k, layout::compact> {
+  constexpr zipage() noexcept {
+    scorer = {.window = 16, .group = group_reduce::max, .reduce = window_reduce::mean};
+    aggregate.first = {.mode = aggregate::global_mode::max, .alpha = 0.8f};
+    aggregate.second = {.mode = aggregate::pool_mode::max, .kernel = 5, .first_only = true};
+    redundancy = {.theta = 0.5f, .tau = 0.4f, .lambda = 0.2f};
+    protect = {.window = 16, .sinks = 0};
+  }
+};
+
+// R-KV: window attention over the keys before the window (group max_logits, mean,
+// w 8) -> max pool 7 -> full redundancy (tau 1, lambda 0.1) -> top-k -> compact.
+struct rkv : pipeline<scorer::window_attention, aggregate::pool, redundancy::full, select::top_k, layout::compact> {
+  constexpr rkv() noexcept {
+    scorer = {.window = 8, .group = group_reduce::max_logits, .reduce = window_reduce::mean, .keys_before_window = true};
+    aggregate = {.mode = aggregate::pool_mode::max, .kernel = 7};
+    redundancy = {.theta = 0.5f, .tau = 1.0f, .lambda = 0.1f};
+    protect = {.window = 8, .sinks = 0};
+  }
+};
+
+// G-KV: window attention (group max, mean, w 16) -> global score (max, alpha 0.8,
+// max-normalised as in G-KV) -> full redundancy (lambda 0.5) -> top-k -> compact.
+struct gkv : pipeline<scorer::window_attention, aggregate::global_score, redundancy::full, select::top_k,
+                      layout::compact> {
+  constexpr gkv() noexcept {
+    scorer = {.window = 16, .group = group_reduce::max, .reduce = window_reduce::mean};
+    aggregate = {.mode = aggregate::global_mode::max, .alpha = 0.8f, .max_norm = true};
+    redundancy = {.theta = 0.5f, .tau = 1.0f, .lambda = 0.5f};
+    protect = {.window = 16, .sinks = 0};
+  }
+};
+
+// SnapKV: window attention (group mean, window sum, w 32) -> max pool 7 -> top-k -> compact.
+struct snapkv : pipeline<scorer::window_attention, aggregate::pool, none, select::top_k, layout::compact> {
+  constexpr snapkv() noexcept {
+    scorer = {.window = 32, .group = group_reduce::mean, .reduce = window_reduce::sum};
+    aggregate = {.mode = aggregate::pool_mode::max, .kernel = 7};
+    protect = {.window = 32, .sinks = 0};
+  }
+};
+
+// H2O: window attention summed over the window (w 16) -> accumulate -> top-k -> compact.
+struct h2o : pipeline<scorer::h2o, aggregate::accumulate, none, select::top_k, layout::compact> {
+  constexpr h2o() noexcept { protect = {.window = 16, .sinks = 0}; }
+};
+
+// StreamingLLM: no scores; keep 4 sinks and the most recent tokens -> compact.
+struct streaming_llm : pipeline<none, none, none, select::sinks_recent, layout::compact> {
+  constexpr streaming_llm() noexcept {
+    select = {.sinks = 4};
+    protect = {.window = 16, .sinks = 4};
+  }
+};
+
+}  // namespace presets
+KVP_NAMESPACE_END

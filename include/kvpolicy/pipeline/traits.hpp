@@ -1,0 +1,53 @@
+// Compile-time questions an executor asks of a pipeline's stages.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/pipeline/concepts.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+// Candidates of a row of T tokens: keys [0, candidate_end) get a score; the rest
+// are kept as they are.
+template <Scorer S>
+KVP_HOST_DEVICE constexpr std::int32_t candidate_end(const S& s, std::int32_t T) noexcept {
+  if constexpr (AttentionScorer<S>) {
+    return s.key_end(T);
+  } else {
+    return T;
+  }
+}
+
+template <Scorer S>
+KVP_HOST_DEVICE constexpr std::int32_t scorer_window(const S& s) noexcept {
+  if constexpr (AttentionScorer<S>) {
+    return s.window;
+  } else {
+    return 0;
+  }
+}
+
+// Whether an aggregator (or either half of a `then`) reads and writes F.
+template <class A>
+constexpr bool uses_score_cache() noexcept {
+  if constexpr (TemporalAggregator<A>) {
+    return true;
+  } else if constexpr (detail::is_then<A>::value) {
+    return uses_score_cache<decltype(A{}.first)>() || uses_score_cache<decltype(A{}.second)>();
+  } else {
+    return false;
+  }
+}
+
+// Tokens a row always keeps: sinks, the protected window and the non-candidates.
+KVP_HOST_DEVICE constexpr std::int32_t protected_count(std::int32_t T, std::int32_t candidates, std::int32_t sinks,
+                                                       std::int32_t window) noexcept {
+  const std::int32_t tail_begin = (T - window) < candidates ? (T - window) : candidates;
+  const std::int32_t tail = T - (tail_begin > 0 ? tail_begin : 0);
+  const std::int32_t head = sinks < T - tail ? sinks : T - tail;
+  return head + tail;
+}
+
+KVP_NAMESPACE_END

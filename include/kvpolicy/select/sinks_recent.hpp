@@ -1,0 +1,24 @@
+// StreamingLLM: keep the first `sinks` tokens and the most recent ones, ignore scores.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/config.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace select {
+
+struct sinks_recent {
+  std::int32_t sinks = 4;
+
+  // Position is the rank: sinks first, then recency.
+  KVP_HOST_DEVICE constexpr float rank_key(float, std::int32_t t, std::int32_t) const noexcept {
+    return t < sinks ? __builtin_huge_valf() : static_cast<float>(t);
+  }
+  KVP_HOST_DEVICE constexpr std::int32_t keep_count(std::int32_t, std::int32_t budget) const noexcept {
+    return budget;
+  }
+};
+
+}  // namespace select
+KVP_NAMESPACE_END
