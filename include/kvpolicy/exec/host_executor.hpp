@@ -132,7 +132,7 @@ struct host_executor {
           if (record_keep_masks) std::copy(keep.begin(), keep.end(), out.keep_masks[i].begin() + row * T);
 
           timed(stage::layout, [&] {
-            if constexpr (!std::same_as<L, none>) {
+            if constexpr (moves_tokens<L>()) {
               new_length = host::compact_row(p.layout, cache, with_f ? scores : score_view{}, l, it.seq, h, keep);
             }
           });

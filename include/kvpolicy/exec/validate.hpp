@@ -7,7 +7,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include <fmt/format.h>
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/batch.hpp"
@@ -24,23 +23,26 @@ namespace detail {
 
 inline void validate_strides(const kv_strides& s, const paged_kv_view& c, const char* name) {
   const std::int64_t d = c.head_dim;
-  require(s.dim == 1, fmt::format("cache.{}.dim", name),
+  require(s.dim == 1, detail::format("cache.{}.dim", name),
           "is {}; rows of {} {} elements must be contiguous (dim stride 1)", s.dim, d, name_of(c.type));
-  require(s.head >= d, fmt::format("cache.{}.head", name), "is {}; must be at least head_dim {} so rows do not overlap",
+  require(s.head >= d, detail::format("cache.{}.head", name), "is {}; must be at least head_dim {} so rows do not overlap",
           s.head, d);
-  require(s.token >= d, fmt::format("cache.{}.token", name), "is {}; must be at least head_dim {}", s.token, d);
+  require(s.token >= d, detail::format("cache.{}.token", name), "is {}; must be at least head_dim {}", s.token, d);
   const std::int64_t block_elems = std::int64_t{c.block_size} * c.num_kv_heads * d;
-  require(s.block >= block_elems, fmt::format("cache.{}.block", name),
+  require(s.block >= block_elems, detail::format("cache.{}.block", name),
           "is {}; must be at least block_size * num_kv_heads * head_dim = {}", s.block, block_elems);
 }
 
+// `host_tables`: whether a layer table, when used, may be read here (not when it
+// lives in device memory).
 inline void validate_bases(const layer_bases& b, const paged_kv_view& c, std::int32_t l0, std::int32_t l1,
-                           const char* name) {
-  require(b.valid(), fmt::format("cache.{}", name), "has neither a base pointer nor a layer table (null)");
+                           const char* name, bool host_tables) {
+  require(b.valid(), detail::format("cache.{}", name), "has neither a base pointer nor a layer table (null)");
+  if (b.table && !host_tables) return;
   for (std::int32_t l = l0; l < l1; ++l) {
-    require(!b.table || b.table[l] != nullptr, fmt::format("cache.{}.table[{}]", name, l), "is a null pointer");
+    require(!b.table || b.table[l] != nullptr, detail::format("cache.{}.table[{}]", name, l), "is a null pointer");
     const auto addr = reinterpret_cast<std::uintptr_t>(b.layer(l, c.type));
-    require(addr % static_cast<std::uintptr_t>(size_of(c.type)) == 0, fmt::format("cache.{} layer {}", name, l),
+    require(addr % static_cast<std::uintptr_t>(size_of(c.type)) == 0, detail::format("cache.{} layer {}", name, l),
             "address {:#x} is not aligned to the {}-byte {} element", addr, size_of(c.type), name_of(c.type));
   }
 }
@@ -63,10 +65,11 @@ inline layer_range resolve_layers(const compression_batch& batch, const paged_kv
 }
 
 // Checks what does not depend on the engine's arrays: shapes, pointers, strides and
-// the pipeline's parameters. Cheap; the CUDA executor runs it on the host as is.
+// the pipeline's parameters. Cheap; the CUDA executor runs it on the host with
+// `host_tables` false, since its layer tables live in device memory.
 template <class P>
 void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
-                     const score_view& scores, const compression_batch& batch) {
+                     const score_view& scores, const compression_batch& batch, bool host_tables = true) {
   require(cache.num_layers > 0, "cache.num_layers", "is {}; must be positive", cache.num_layers);
   require(cache.num_blocks > 0, "cache.num_blocks", "is {}; must be positive", cache.num_blocks);
   require(cache.block_size > 0, "cache.block_size", "is {}; must be positive", cache.block_size);
@@ -80,8 +83,8 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   detail::validate_strides(cache.k_stride, cache, "k_stride");
   detail::validate_strides(cache.v_stride, cache, "v_stride");
   const layer_range layers = resolve_layers(batch, cache);
-  detail::validate_bases(cache.k, cache, layers.begin, layers.end, "k");
-  detail::validate_bases(cache.v, cache, layers.begin, layers.end, "v");
+  detail::validate_bases(cache.k, cache, layers.begin, layers.end, "k", host_tables);
+  detail::validate_bases(cache.v, cache, layers.begin, layers.end, "v", host_tables);
 
   using S = typename P::scorer_type;
   if constexpr (AttentionScorer<S>) {
@@ -113,7 +116,7 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   auto check_aggregate = [&](const auto& a, const char* field) {
     using A = std::remove_cvref_t<decltype(a)>;
     if constexpr (SpatialAggregator<A>) {
-      require(a.kernel > 0 && a.kernel % 2 == 1, fmt::format("pipeline.{}.kernel", field),
+      require(a.kernel > 0 && a.kernel % 2 == 1, detail::format("pipeline.{}.kernel", field),
               "is {}; a pooling kernel is odd and positive", a.kernel);
     }
   };
@@ -136,7 +139,7 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
   std::vector<bool> seen_seq(static_cast<std::size_t>(cache.num_seqs), false);
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
     const batch_item& it = batch.items[i];
-    const auto field = [&](const char* name) { return fmt::format("batch[{}].{}", i, name); };
+    const auto field = [&](const char* name) { return detail::format("batch[{}].{}", i, name); };
     require(it.seq >= 0 && it.seq < cache.num_seqs, field("seq"), "is {}; the cache has {} sequences", it.seq,
             cache.num_seqs);
     require(!seen_seq[static_cast<std::size_t>(it.seq)], field("seq"), "is {}, which the batch names twice", it.seq);
@@ -144,15 +147,15 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
 
     const std::int32_t T = cache.lengths[it.seq];
     const std::int64_t capacity = cache.table.capacity(it.seq) * cache.block_size;
-    require(T >= 0 && T <= capacity, fmt::format("cache.lengths[{}]", it.seq),
+    require(T >= 0 && T <= capacity, detail::format("cache.lengths[{}]", it.seq),
             "is {}; the block table holds room for {} tokens", T, capacity);
     const std::int32_t blocks = (T + cache.block_size - 1) / cache.block_size;
     for (std::int32_t b = 0; b < blocks; ++b) {
       const std::int32_t id = cache.table.block(it.seq, b);
-      require(id >= 0 && id < cache.num_blocks, fmt::format("cache.table[seq {}][{}]", it.seq, b),
+      require(id >= 0 && id < cache.num_blocks, detail::format("cache.table[seq {}][{}]", it.seq, b),
               "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
       const auto [pos, fresh] = seq_of_block.emplace(id, it.seq);
-      require(fresh, fmt::format("cache.table[seq {}][{}]", it.seq, b), "is block id {}, already used by seq {}", id,
+      require(fresh, detail::format("cache.table[seq {}][{}]", it.seq, b), "is block id {}, already used by seq {}", id,
               pos->second);
     }
 

@@ -41,6 +41,16 @@ constexpr bool uses_score_cache() noexcept {
   }
 }
 
+// Whether a layout moves kept tokens (and so shortens the sequence); `none` does not.
+template <Layout L>
+KVP_HOST_DEVICE constexpr bool moves_tokens() noexcept {
+  if constexpr (std::same_as<L, none>) {
+    return false;
+  } else {
+    return L::moves_tokens;
+  }
+}
+
 // Tokens a row always keeps: sinks, the protected window and the non-candidates.
 KVP_HOST_DEVICE constexpr std::int32_t protected_count(std::int32_t T, std::int32_t candidates, std::int32_t sinks,
                                                        std::int32_t window) noexcept {

@@ -19,12 +19,13 @@ namespace host {
 template <Redundancy R>
 std::vector<float> redundancy_scores(const R& r, std::span<const float> keys, std::int32_t n, std::int32_t d,
                                      std::int32_t block) {
-  std::vector<float> kn(keys.begin(), keys.begin() + std::size_t(n) * d);
+  // C(u, v) = (k_u . k_v) * (inv_u * inv_v) with inv = 1 / (||k|| + eps): symmetric to the
+  // bit, and the form the device computes (raw dot products, then the scale).
+  std::vector<float> inv(static_cast<std::size_t>(n));
   for (std::int32_t t = 0; t < n; ++t) {
     float ss = 0.0f;
-    for (std::int32_t i = 0; i < d; ++i) ss += kn[std::size_t(t) * d + i] * kn[std::size_t(t) * d + i];
-    const float inv = 1.0f / (std::sqrt(ss) + r.eps);
-    for (std::int32_t i = 0; i < d; ++i) kn[std::size_t(t) * d + i] *= inv;
+    for (std::int32_t i = 0; i < d; ++i) ss += keys[std::size_t(t) * d + i] * keys[std::size_t(t) * d + i];
+    inv[t] = 1.0f / (std::sqrt(ss) + r.eps);
   }
   const bool lightning = R::pairs == redundancy::scope::block;
   // Pairs (u, v) compared: all, or those of one block.
@@ -35,8 +36,8 @@ std::vector<float> redundancy_scores(const R& r, std::span<const float> keys, st
   };
   auto cosine = [&](std::int32_t u, std::int32_t v) {
     float dot = 0.0f;
-    for (std::int32_t i = 0; i < d; ++i) dot += kn[std::size_t(u) * d + i] * kn[std::size_t(v) * d + i];
-    return dot;
+    for (std::int32_t i = 0; i < d; ++i) dot += keys[std::size_t(u) * d + i] * keys[std::size_t(v) * d + i];
+    return dot * (inv[u] * inv[v]);
   };
   // red(t) = sum over u != t, r(u) != t of C(u, t); r(u) = newest v != u with C(u, v) > theta.
   std::vector<float> red(static_cast<std::size_t>(n), 0.0f);

@@ -1,0 +1,642 @@
+// kvpolicy demo: compress a paged KV cache of synthetic reasoning-like sequences.
+//
+// The demo plays the engine. It owns a paged cache in host memory (bf16 by default,
+// laid out as nano-vllm's `[2, L, num_blocks, b, h_kv, d]` or vLLM's per-layer
+// `[2, num_blocks, b, h_kv, d]`, blocks handed out in shuffled order), an
+// observation-query buffer and the global score buffer F. It plants, per sequence:
+//
+//   sinks          the first 4 tokens; their keys lie along a direction every query
+//                  attends to, whatever the topic
+//   heavy hitters  a few tokens whose keys align with the current topic's queries
+//   repeats        a segment of 4 keys written three times in one block with small
+//                  noise (a model repeating itself); the older copies are redundant
+//   recent window  the last tokens, protected by every policy
+//
+// It then compresses with a preset (`--preset`), hands the released blocks back to
+// its free list, appends tokens on a new topic and compresses again with
+// `history_tokens` = the previous budget, so presets with a global score remember
+// the earlier heavy hitters. Per sequence it prints what was kept, and per stage
+// how long it took.
+//
+//   kvpolicy_demo [--preset zipage|rkv|gkv|snapkv|h2o|streaming_llm] [--device host]
+//                 [--layout nano_vllm|vllm_flash] [--dtype bf16|f16|f32] [--seqs N]
+//                 [--layers N] [--kv-heads N] [--q-heads N] [--head-dim N]
+//                 [--block-size N] [--n-max N] [--rounds N] [--append N] [--seed N]
+//                 [--show-mask]
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "kvpolicy/kvpolicy.hpp"
+
+namespace {
+
+using i32 = std::int32_t;
+
+// ---------------------------------------------------------------------------
+// Command line
+
+enum class device { host, cuda };
+
+struct options {
+  std::string preset = "zipage";
+  device dev = device::host;
+  std::string layout = "nano_vllm";
+  kvp::dtype type = kvp::dtype::bf16;
+  i32 seqs = 4, layers = 2, kv_heads = 2, q_heads = 8, head_dim = 64, block_size = 16, n_max = 9;
+  i32 rounds = 2;
+  i32 append = 0;  // tokens appended before each later round; 0: two blocks, or more to clear the window
+  std::uint64_t seed = 1;
+  bool show_mask = false;
+};
+
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
+  --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm
+  --device NAME     host (default); cuda arrives with the CUDA executor
+  --layout NAME     nano_vllm (default) or vllm_flash
+  --dtype NAME      bf16 (default), f16, f32
+  --seqs N          sequences (4)          --layers N      layers (2)
+  --kv-heads N      KV heads (2)           --q-heads N     query heads (8)
+  --head-dim N      head dimension (64)    --block-size N  tokens per block (16)
+  --n-max N         Zipage's block cap N_max (9): budget (N_max - 1) * block size
+  --rounds N        compressions per sequence (2); later rounds append tokens first
+  --append N        tokens appended before each later round (two blocks, or
+                    one block more than the preset's protected window)
+  --seed N          random seed (1)
+  --show-mask       print the keep map of sequence 0, layer 0, KV head 0
+)";
+
+i32 parse_int(std::string_view flag, std::string_view s, i32 lo) {
+  i32 v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc{} || end != s.data() + s.size() || v < lo)
+    throw usage_error(fmt::format("{}: '{}' is not an integer >= {}", flag, s, lo));
+  return v;
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view flag = argv[i], value;
+    if (flag == "-h" || flag == "--help") throw usage_error("");
+    if (flag == "--show-mask") {
+      o.show_mask = true;
+      continue;
+    }
+    if (const auto eq = flag.find('='); eq != std::string_view::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      throw usage_error(fmt::format("{} needs a value", flag));
+    }
+    if (flag == "--preset") {
+      o.preset = value;
+    } else if (flag == "--device") {
+      if (value == "host") o.dev = device::host;
+      else if (value == "cuda") o.dev = device::cuda;
+      else throw usage_error(fmt::format("--device: '{}' is neither host nor cuda", value));
+    } else if (flag == "--layout") {
+      if (value != "nano_vllm" && value != "vllm_flash")
+        throw usage_error(fmt::format("--layout: '{}' is neither nano_vllm nor vllm_flash", value));
+      o.layout = value;
+    } else if (flag == "--dtype") {
+      if (value == "bf16") o.type = kvp::dtype::bf16;
+      else if (value == "f16") o.type = kvp::dtype::f16;
+      else if (value == "f32") o.type = kvp::dtype::f32;
+      else throw usage_error(fmt::format("--dtype: '{}' is not bf16, f16 or f32", value));
+    } else if (flag == "--seqs") {
+      o.seqs = parse_int(flag, value, 1);
+    } else if (flag == "--layers") {
+      o.layers = parse_int(flag, value, 1);
+    } else if (flag == "--kv-heads") {
+      o.kv_heads = parse_int(flag, value, 1);
+    } else if (flag == "--q-heads") {
+      o.q_heads = parse_int(flag, value, 1);
+    } else if (flag == "--head-dim") {
+      o.head_dim = parse_int(flag, value, 1);
+    } else if (flag == "--block-size") {
+      o.block_size = parse_int(flag, value, 1);
+    } else if (flag == "--n-max") {
+      o.n_max = parse_int(flag, value, 2);
+    } else if (flag == "--rounds") {
+      o.rounds = parse_int(flag, value, 1);
+    } else if (flag == "--append") {
+      o.append = parse_int(flag, value, 1);
+    } else if (flag == "--seed") {
+      o.seed = static_cast<std::uint64_t>(parse_int(flag, value, 0));
+    } else {
+      throw usage_error(fmt::format("unknown option {}", flag));
+    }
+  }
+  return o;
+}
+
+// ---------------------------------------------------------------------------
+// Presets: one type each, chosen at run time.
+
+using any_preset = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::presets::gkv, kvp::presets::snapkv,
+                                kvp::presets::h2o, kvp::presets::streaming_llm>;
+
+any_preset make_preset(std::string_view name) {
+  if (name == "zipage") return kvp::presets::zipage{};
+  if (name == "rkv") return kvp::presets::rkv{};
+  if (name == "gkv") return kvp::presets::gkv{};
+  if (name == "snapkv") return kvp::presets::snapkv{};
+  if (name == "h2o") return kvp::presets::h2o{};
+  if (name == "streaming_llm") return kvp::presets::streaming_llm{};
+  throw usage_error(fmt::format("--preset: unknown preset '{}'", name));
+}
+
+// ---------------------------------------------------------------------------
+// The engine's side: memory, block table, lengths, and what each token is.
+
+enum class role : std::uint8_t { background, sink, heavy, dup_old, dup_newest };
+
+struct token_info {
+  role kind = role::background;
+  i32 round = 0;    // the round (topic) that appended it
+  i32 dup_of = -1;  // for a repeat: the token id of the segment's first copy
+};
+
+constexpr i32 num_sinks = 4;
+
+struct demo_cache {
+  options o;
+  kvp::cache_shape shape;
+  i32 max_blocks = 0;                    // dense block table row length
+  i32 query_window = 0;                  // positions per query slot
+  std::vector<std::byte> kv;             // all K and V bytes
+  std::vector<void*> layer_tensors;      // vllm_flash: one `[2, NB, b, h, d]` tensor per layer
+  std::vector<float> f;                  // the global score F, `[L, NB, b, h_kv]`
+  std::vector<std::byte> q;              // observation queries, `[L, seqs, w, h_q, d]`
+  std::vector<i32> table;                // `[seqs, max_blocks]`, -1 where unused
+  std::vector<i32> lengths;              // tokens per sequence
+  std::vector<i32> free_blocks;          // the engine's free list
+  std::vector<std::vector<token_info>> tokens;  // per sequence, by token id
+  std::vector<std::vector<i32>> ids;     // per (seq, layer, KV head) row: token id at each position
+  std::vector<std::vector<std::vector<float>>> dirs;  // per (layer, KV head): [0] sinks, [r] topic r
+  std::mt19937_64 rng;
+
+  kvp::paged_kv_view cache;
+  kvp::query_window_view queries;
+  kvp::score_view scores;
+
+  std::size_t row(i32 seq, i32 l, i32 h) const {
+    return (static_cast<std::size_t>(seq) * o.layers + l) * o.kv_heads + h;
+  }
+};
+
+// Sequence s starts with N_max + (s mod 3) blocks, the last one full: Zipage's
+// trigger (N >= N_max blocks, full last block) has just fired for all of them.
+i32 initial_blocks(const options& o, i32 seq) { return o.n_max + seq % 3; }
+
+std::vector<float> gaussian(std::mt19937_64& rng, i32 n, float sigma) {
+  std::normal_distribution<float> nd(0.0f, sigma);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+// Unit vector orthogonal to `basis` (Gram-Schmidt), so sinks and topics are independent.
+std::vector<float> direction(std::mt19937_64& rng, i32 d, const std::vector<std::vector<float>>& basis) {
+  std::vector<float> v = gaussian(rng, d, 1.0f);
+  for (const auto& b : basis) {
+    float dot = 0.0f;
+    for (i32 i = 0; i < d; ++i) dot += v[i] * b[i];
+    for (i32 i = 0; i < d; ++i) v[i] -= dot * b[i];
+  }
+  float norm = 0.0f;
+  for (float x : v) norm += x * x;
+  norm = std::sqrt(norm);
+  for (float& x : v) x /= norm;
+  return v;
+}
+
+demo_cache make_cache(const options& o, i32 budget, i32 window) {
+  demo_cache c;
+  c.o = o;
+  c.rng.seed(o.seed);
+  const i32 b = o.block_size;
+  i32 total = 0;
+  for (i32 s = 0; s < o.seqs; ++s) total += initial_blocks(o, s);
+  const i32 later_blocks = (budget + o.append + b - 1) / b;
+  c.max_blocks = std::max(o.n_max + 2, later_blocks);
+  const i32 num_blocks = total + o.seqs * ((o.append + b - 1) / b) + 4;
+  c.query_window = std::max(window, 1);
+  c.shape = {.num_layers = o.layers, .num_blocks = num_blocks, .block_size = b, .num_kv_heads = o.kv_heads,
+             .head_dim = o.head_dim, .type = o.type};
+
+  const std::size_t elem = static_cast<std::size_t>(kvp::size_of(o.type));
+  const std::size_t per_layer = std::size_t(num_blocks) * b * o.kv_heads * o.head_dim;  // one of K or V
+  c.kv.assign(2 * o.layers * per_layer * elem, std::byte{0});
+  c.f.assign(std::size_t(o.layers) * num_blocks * b * o.kv_heads, 0.0f);
+  c.q.assign(std::size_t(o.layers) * o.seqs * c.query_window * o.q_heads * o.head_dim * elem, std::byte{0});
+  c.table.assign(std::size_t(o.seqs) * c.max_blocks, -1);
+  c.lengths.assign(static_cast<std::size_t>(o.seqs), 0);
+  c.tokens.resize(static_cast<std::size_t>(o.seqs));
+  c.ids.resize(std::size_t(o.seqs) * o.layers * o.kv_heads);
+
+  // The free list in shuffled order: sequences get scattered, non-contiguous blocks.
+  c.free_blocks.resize(static_cast<std::size_t>(num_blocks));
+  for (i32 i = 0; i < num_blocks; ++i) c.free_blocks[i] = i;
+  std::shuffle(c.free_blocks.begin(), c.free_blocks.end(), c.rng);
+
+  // The views: constructors of one paged_kv_view over the engine's own memory.
+  const kvp::sequence_table seqs{.table = kvp::block_table_view::dense(c.table.data(), c.max_blocks),
+                                 .lengths = c.lengths.data(),
+                                 .num_seqs = o.seqs};
+  if (o.layout == "vllm_flash") {
+    for (i32 l = 0; l < o.layers; ++l) c.layer_tensors.push_back(c.kv.data() + 2 * l * per_layer * elem);
+    c.cache = kvp::layouts::vllm_flash(c.layer_tensors.data(), c.shape, seqs);
+  } else {
+    c.cache = kvp::layouts::nano_vllm(c.kv.data(), c.shape, seqs);
+  }
+  c.queries = kvp::query_window_view::contiguous(c.q.data(), o.layers, o.seqs, c.query_window, o.q_heads,
+                                                 o.head_dim, o.type);
+  c.scores = kvp::score_view::contiguous(c.f.data(), num_blocks, b, o.kv_heads);
+
+  // Per (layer, KV head): the sink direction, then one topic direction per round.
+  c.dirs.resize(std::size_t(o.layers) * o.kv_heads);
+  for (auto& d : c.dirs)
+    for (i32 r = 0; r <= o.rounds; ++r) d.push_back(direction(c.rng, o.head_dim, d));
+  return c;
+}
+
+// Decides what the `count` tokens appended to `seq` at positions [len, len + count)
+// are: sinks (first round), repeats and heavy hitters, all before the protected window.
+void plan(demo_cache& c, i32 seq, i32 count, i32 round, i32 window) {
+  const i32 b = c.o.block_size, len = c.lengths[seq], end = len + count;
+  auto& tok = c.tokens[seq];
+  const i32 first_id = static_cast<i32>(tok.size());
+  tok.resize(tok.size() + count, token_info{role::background, round, -1});
+  auto at = [&](i32 pos) -> token_info& { return tok[first_id + pos - len]; };
+
+  i32 lo = len;
+  if (len == 0) {
+    for (i32 t = 0; t < std::min(num_sinks, end); ++t) at(t).kind = role::sink;
+    lo = std::min(num_sinks, end);
+  }
+  const i32 hi = end - window;  // planted tokens lie before the window
+  if (hi <= lo) return;
+
+  // Repeats: a segment of L keys written three times within one block (so both the
+  // lightning and the full redundancy see them), in about a third of the blocks.
+  const i32 L = std::min(4, (b - 2) / 3);
+  std::vector<i32> blocks;
+  for (i32 blk = std::max((lo + b - 1) / b, 1); (blk + 1) * b <= hi; ++blk) blocks.push_back(blk);
+  std::shuffle(blocks.begin(), blocks.end(), c.rng);
+  const std::size_t groups = L < 1 || blocks.empty() ? 0 : std::max<std::size_t>(1, blocks.size() / 3);
+  for (std::size_t g = 0; g < groups; ++g) {
+    const i32 o0 = blocks[g] * b + std::uniform_int_distribution<i32>(0, b - 3 * L - 2)(c.rng);
+    const i32 orig = first_id + o0 - len;
+    for (i32 copy = 0; copy < 3; ++copy)
+      for (i32 k = 0; k < L; ++k) {
+        token_info& ti = at(o0 + copy * (L + 1) + k);
+        ti.kind = copy == 2 ? role::dup_newest : role::dup_old;
+        ti.dup_of = copy == 0 ? -1 : orig + k;
+      }
+  }
+
+  // Heavy hitters: one per 24 plannable tokens, at least one, on free positions.
+  std::vector<i32> free_pos;
+  for (i32 t = lo; t < hi; ++t)
+    if (at(t).kind == role::background) free_pos.push_back(t);
+  std::shuffle(free_pos.begin(), free_pos.end(), c.rng);
+  const std::size_t heavy = std::min<std::size_t>(free_pos.size(), std::max(1, (hi - lo) / 24));
+  for (std::size_t i = 0; i < heavy; ++i) at(free_pos[i]).kind = role::heavy;
+}
+
+// Appends `count` tokens to `seq`: takes blocks off the free list, plans the tokens
+// and writes their K and V through the view (so the demo uses the same address math
+// as the library, whatever the layout).
+void append_tokens(demo_cache& c, i32 seq, i32 count, i32 round, i32 window) {
+  const options& o = c.o;
+  const i32 b = o.block_size, len = c.lengths[seq], end = len + count, d = o.head_dim;
+  for (i32 blk = (len + b - 1) / b; blk < (end + b - 1) / b; ++blk) {
+    if (c.free_blocks.empty()) throw std::runtime_error("demo: out of cache blocks");
+    c.table[std::size_t(seq) * c.max_blocks + blk] = c.free_blocks.back();
+    c.free_blocks.pop_back();
+  }
+  plan(c, seq, count, round, window);
+  c.lengths[seq] = end;
+
+  const auto& tok = c.tokens[seq];
+  const i32 first_id = static_cast<i32>(tok.size()) - count;
+  std::normal_distribution<float> unit(0.0f, 1.0f), small(0.0f, 0.05f);
+  for (i32 l = 0; l < o.layers; ++l)
+    for (i32 h = 0; h < o.kv_heads; ++h) {
+      const auto& dir = c.dirs[std::size_t(l) * o.kv_heads + h];
+      std::vector<float> keys(std::size_t(count) * d);
+      auto& ids = c.ids[c.row(seq, l, h)];
+      for (i32 k = 0; k < count; ++k) {
+        const token_info& ti = tok[first_id + k];
+        float* key = &keys[std::size_t(k) * d];
+        for (i32 i = 0; i < d; ++i) {
+          switch (ti.kind) {
+            case role::sink: key[i] = 16.0f * dir[0][i] + unit(c.rng); break;
+            case role::heavy: key[i] = 8.0f * dir[ti.round][i] + unit(c.rng); break;
+            default:
+              key[i] = ti.dup_of >= 0 ? keys[std::size_t(ti.dup_of - first_id) * d + i] + small(c.rng) : unit(c.rng);
+          }
+        }
+        std::byte* krow = c.cache.k_row(l, seq, len + k, h);
+        std::byte* vrow = c.cache.v_row(l, seq, len + k, h);
+        for (i32 i = 0; i < d; ++i) {
+          kvp::store_from_float(krow, o.type, i, key[i]);
+          kvp::store_from_float(vrow, o.type, i, unit(c.rng));
+        }
+        ids.push_back(first_id + k);
+      }
+    }
+
+  // The observation queries of the newest positions: attend to the sinks and to the
+  // current topic. query_window_view::row is read-only; the demo owns the buffer.
+  const i32 G = o.q_heads / o.kv_heads;
+  for (i32 l = 0; l < o.layers; ++l)
+    for (i32 j = 0; j < c.query_window; ++j)
+      for (i32 hq = 0; hq < o.q_heads; ++hq) {
+        const auto& dir = c.dirs[std::size_t(l) * o.kv_heads + hq / G];
+        auto* row = const_cast<std::byte*>(c.queries.row(l, seq, j, hq));
+        for (i32 i = 0; i < d; ++i)
+          kvp::store_from_float(row, o.type, i, 3.0f * dir[0][i] + 4.0f * dir[round][i] + 0.5f * unit(c.rng));
+      }
+}
+
+// ---------------------------------------------------------------------------
+// One compression on the chosen device. The host executor works in place on the
+// demo's host memory. The CUDA path slots in here: copy the cache, queries, F and
+// block table to the device, build the same views over device pointers, run
+// kvp::cuda_executor with the same pipeline, copy back. Same keep masks, same bytes.
+
+template <class Preset>
+kvp::host_result compress_on(device dev, const Preset& p, demo_cache& c, const kvp::compression_batch& batch) {
+  if (dev != device::host) throw std::runtime_error("--device cuda: the CUDA executor is not wired in yet");
+  const kvp::host_executor ex{.record_keep_masks = true};
+  return ex.compress(p, c.cache, c.queries, c.scores, batch);
+}
+
+// ---------------------------------------------------------------------------
+// Reporting
+
+struct tally {
+  long present = 0, kept = 0;
+  void add(bool k) {
+    ++present;
+    kept += k;
+  }
+  std::string pct() const {
+    return present == 0 ? std::string("-") : fmt::format("{:.0f}%", 100.0 * double(kept) / double(present));
+  }
+};
+
+struct seq_report {
+  tally sinks, heavy, earlier_heavy, dup_old, dup_newest;
+};
+
+// Keep map of one row: the planted roles above, the keep mask below, one block per group.
+void print_mask(const demo_cache& c, i32 seq, std::span<const std::uint8_t> keep) {
+  const auto& ids = c.ids[c.row(seq, 0, 0)];
+  const i32 b = c.o.block_size, round_now = c.tokens[seq].back().round;
+  std::string roles, kept;
+  for (std::size_t t = 0; t < ids.size(); ++t) {
+    if (t > 0 && t % b == 0) {
+      roles += ' ';
+      kept += ' ';
+    }
+    const token_info& ti = c.tokens[seq][ids[t]];
+    char ch = '.';
+    switch (ti.kind) {
+      case role::sink: ch = 'S'; break;
+      case role::heavy: ch = ti.round == round_now ? 'H' : 'h'; break;
+      case role::dup_old: ch = 'd'; break;
+      case role::dup_newest: ch = 'D'; break;
+      default: break;
+    }
+    roles += ch;
+    kept += keep[t] ? '#' : '_';
+  }
+  const std::size_t width = 4 * (b + 1);  // four blocks a line
+  fmt::print("  keep map, seq {} layer 0 KV head 0 (S sink, H heavy, h earlier heavy, d older repeat, "
+             "D newest repeat; # kept, _ evicted)\n",
+             seq);
+  for (std::size_t i = 0; i < roles.size(); i += width) {
+    fmt::print("    {}\n    {}\n", roles.substr(i, width), kept.substr(i, width));
+  }
+}
+
+// Hands released blocks back, trims the table, and follows each row's kept tokens.
+void apply_result(demo_cache& c, const kvp::compression_batch& batch, const kvp::host_result& res) {
+  const options& o = c.o;
+  for (std::size_t i = 0; i < batch.items.size(); ++i) {
+    const i32 seq = batch.items[i].seq, T = c.lengths[seq], n = res.new_lengths[i];
+    for (i32 blk : res.released_blocks[i]) c.free_blocks.push_back(blk);
+    for (i32 blk = (n + o.block_size - 1) / o.block_size; blk < c.max_blocks; ++blk)
+      c.table[std::size_t(seq) * c.max_blocks + blk] = -1;
+    c.lengths[seq] = n;
+    for (i32 l = 0; l < o.layers; ++l)
+      for (i32 h = 0; h < o.kv_heads; ++h) {
+        auto& ids = c.ids[c.row(seq, l, h)];
+        const std::uint8_t* keep = &res.keep_masks[i][(std::size_t(l) * o.kv_heads + h) * T];
+        std::vector<i32> next;
+        for (i32 t = 0; t < T; ++t)
+          if (keep[t]) next.push_back(ids[t]);
+        ids = std::move(next);
+      }
+  }
+}
+
+// The bytes of every (token, head) row of K and V of a sequence, to check the moves.
+std::vector<std::byte> snapshot(const demo_cache& c, i32 seq) {
+  const auto bytes = static_cast<std::size_t>(c.cache.row_bytes());
+  std::vector<std::byte> out;
+  for (i32 l = 0; l < c.o.layers; ++l)
+    for (i32 h = 0; h < c.o.kv_heads; ++h)
+      for (i32 t = 0; t < c.lengths[seq]; ++t) {
+        const std::byte* k = c.cache.k_row(l, seq, t, h);
+        const std::byte* v = c.cache.v_row(l, seq, t, h);
+        out.insert(out.end(), k, k + bytes);
+        out.insert(out.end(), v, v + bytes);
+      }
+  return out;
+}
+
+// Invariant 1 of SPEC.md: each kept token's K and V bytes, at its new position, equal
+// its bytes before the move. Returns the rows that differ.
+long verify_moves(const demo_cache& c, i32 seq, i32 T, std::span<const std::byte> before,
+                  std::span<const std::uint8_t> mask) {
+  const auto bytes = static_cast<std::size_t>(c.cache.row_bytes());
+  long bad = 0;
+  for (i32 l = 0; l < c.o.layers; ++l)
+    for (i32 h = 0; h < c.o.kv_heads; ++h) {
+      const std::size_t row = std::size_t(l) * c.o.kv_heads + h;
+      i32 dst = 0;
+      for (i32 t = 0; t < T; ++t) {
+        if (!mask[row * T + t]) continue;
+        const std::byte* old = before.data() + (row * T + t) * 2 * bytes;
+        bad += std::memcmp(c.cache.k_row(l, seq, dst, h), old, bytes) != 0;
+        bad += std::memcmp(c.cache.v_row(l, seq, dst, h), old + bytes, bytes) != 0;
+        ++dst;
+      }
+    }
+  return bad;
+}
+
+int run(options o) {
+  const auto wall0 = std::chrono::steady_clock::now();
+  const any_preset preset = make_preset(o.preset);
+  if (o.q_heads % o.kv_heads != 0)
+    throw usage_error(fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
+  if (o.dev == device::cuda) {
+    fmt::print(stderr,
+               "error: --device cuda: the CUDA executor is not part of this build yet; the demo runs on it once "
+               "kvp::cuda_executor lands. Use --device host.\n");
+    return 2;
+  }
+
+  const i32 b = o.block_size, budget = (o.n_max - 1) * b;
+  // The window the preset protects, and how many queries its scorer reads.
+  const auto [protect_window, score_window] = std::visit(
+      [](const auto& p) { return std::pair<i32, i32>{p.protect.window, kvp::scorer_window(p.scorer)}; }, preset);
+  // By default each later round appends at least one block beyond the protected
+  // window, so that some of its new tokens are up for eviction at once.
+  if (o.append == 0) o.append = std::max(2 * b, (protect_window + b - 1) / b * b + b);
+  demo_cache c = make_cache(o, budget, std::max(protect_window, score_window));
+
+  fmt::print("kvpolicy {}.{}.{} demo: preset {}, {} executor, {}, layout {}\n", KVPOLICY_VERSION_MAJOR,
+             KVPOLICY_VERSION_MINOR, KVPOLICY_VERSION_PATCH, o.preset, o.dev == device::host ? "host" : "cuda",
+             kvp::name_of(o.type), o.layout);
+  fmt::print("cache: {} seqs, {} layers, h_kv {}, h_q {}, d {}, b {}, N_max {}: budget {} tokens per (layer, KV head);"
+             " {} physical blocks, handed out shuffled\n",
+             o.seqs, o.layers, o.kv_heads, o.q_heads, o.head_dim, b, o.n_max, budget, c.shape.num_blocks);
+
+  for (i32 s = 0; s < o.seqs; ++s) append_tokens(c, s, initial_blocks(o, s) * b, 1, protect_window);
+
+  fmt::print("columns: share of the planted tokens kept, over all layers and KV heads\n"
+             "  heavy: heavy hitters of this round's topic; earlier heavy: of earlier topics, which the current\n"
+             "         queries ignore (a preset that keeps scores in F remembers them)\n"
+             "  copies: each repeated segment is written three times; a redundancy-aware preset drops the older\n"
+             "         copies and keeps the newest\n");
+
+  auto print_row = [](const auto&... cells) {
+    fmt::print("  {:>3}  {:>10}  {:>7}  {:>8}  {:>5}  {:>5}  {:>13}  {:>12}  {:>11}\n", cells...);
+  };
+  std::vector<kvp::stage_times> times;
+  long bad_rows = 0;
+  for (i32 round = 1; round <= o.rounds; ++round) {
+    if (round > 1)
+      for (i32 s = 0; s < o.seqs; ++s) append_tokens(c, s, o.append, round, protect_window);
+
+    std::vector<kvp::batch_item> items;
+    for (i32 s = 0; s < o.seqs; ++s)
+      items.push_back({.seq = s, .query_slot = s, .budget = budget, .history_tokens = round == 1 ? 0 : budget});
+    const kvp::compression_batch batch{.items = items};
+
+    std::vector<i32> len_before(c.lengths);
+    std::vector<std::vector<std::byte>> before;
+    for (i32 s = 0; s < o.seqs; ++s) before.push_back(snapshot(c, s));
+
+    const kvp::host_result res = std::visit([&](const auto& p) { return compress_on(o.dev, p, c, batch); }, preset);
+    times.push_back(res.times);
+
+    fmt::print("\nround {}: {}\n", round,
+               round == 1 ? std::string("first compression, history_tokens 0")
+                          : fmt::format("{} tokens appended on a new topic; history_tokens {}: F holds the scores of "
+                                        "positions [0, {})",
+                                        o.append, budget, budget));
+    print_row("seq", "tokens", "blocks", "released", "sinks", "heavy", "earlier heavy", "older copies",
+              "newest copy");
+    seq_report total;
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const i32 seq = items[i].seq, T = len_before[seq], n = res.new_lengths[i];
+      seq_report r;
+      for (i32 l = 0; l < o.layers; ++l)
+        for (i32 h = 0; h < o.kv_heads; ++h) {
+          const auto& ids = c.ids[c.row(seq, l, h)];
+          const std::uint8_t* keep = &res.keep_masks[i][(std::size_t(l) * o.kv_heads + h) * T];
+          for (i32 t = 0; t < T; ++t) {
+            const token_info& ti = c.tokens[seq][ids[t]];
+            const bool k = keep[t] != 0;
+            switch (ti.kind) {
+              case role::sink: r.sinks.add(k); break;
+              case role::heavy: (ti.round == round ? r.heavy : r.earlier_heavy).add(k); break;
+              case role::dup_old: r.dup_old.add(k); break;
+              case role::dup_newest: r.dup_newest.add(k); break;
+              default: break;
+            }
+          }
+        }
+      for (auto [to, from] : {std::pair{&total.sinks, &r.sinks}, std::pair{&total.heavy, &r.heavy},
+                              std::pair{&total.earlier_heavy, &r.earlier_heavy},
+                              std::pair{&total.dup_old, &r.dup_old}, std::pair{&total.dup_newest, &r.dup_newest}}) {
+        to->present += from->present;
+        to->kept += from->kept;
+      }
+      print_row(seq, fmt::format("{} -> {}", T, n), fmt::format("{} -> {}", (T + b - 1) / b, (n + b - 1) / b),
+                res.released_blocks[i].size(), r.sinks.pct(), r.heavy.pct(), r.earlier_heavy.pct(), r.dup_old.pct(),
+                r.dup_newest.pct());
+      bad_rows += verify_moves(c, seq, T, before[i], res.keep_masks[i]);
+    }
+    print_row("all", "", "", "", total.sinks.pct(), total.heavy.pct(), total.earlier_heavy.pct(),
+              total.dup_old.pct(), total.dup_newest.pct());
+    if (o.show_mask) print_mask(c, 0, std::span(res.keep_masks[0]).first(static_cast<std::size_t>(len_before[0])));
+    apply_result(c, batch, res);
+  }
+
+  fmt::print("\nkept K/V rows moved intact: {}\n", bad_rows == 0 ? "yes" : fmt::format("NO, {} rows differ", bad_rows));
+
+  fmt::print("\nhost time per stage, ms\n  {:<10}", "stage");
+  for (std::size_t r = 0; r < times.size(); ++r) fmt::print("  {:>9}", fmt::format("round {}", r + 1));
+  fmt::print("\n");
+  for (std::size_t st = 0; st < kvp::stage_names.size(); ++st) {
+    fmt::print("  {:<10}", kvp::stage_names[st]);
+    for (const auto& t : times) fmt::print("  {:>9.3f}", 1e3 * t.seconds[st]);
+    fmt::print("\n");
+  }
+  fmt::print("  {:<10}", "total");
+  for (const auto& t : times) fmt::print("  {:>9.3f}", 1e3 * t.total());
+  fmt::print("\nwall time {:.1f} ms\n",
+             1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count());
+  return bad_rows == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const usage_error& e) {
+    if (!*e.what()) {  // --help
+      fmt::print("{}", usage);
+      return 0;
+    }
+    fmt::print(stderr, "error: {}\n(kvpolicy_demo --help lists the options)\n", e.what());
+    return 2;
+  } catch (const kvp::error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,106 @@
+// Shared pieces of the CUDA executor's kernels: row decoding, the status check,
+// block reductions, and the one rank order as 64-bit keys.
+#pragma once
+
+#include <cstdint>
+
+#include <cub/block/block_reduce.cuh>
+#include <cuda_runtime.h>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/exec/device_status.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cuda {
+
+// Every per-row kernel uses this many threads.
+inline constexpr int row_threads = 256;
+
+// What every kernel knows about the launch: rows are (item, layer, KV head).
+struct row_space {
+  const batch_item* items = nullptr;  // device
+  std::int32_t num_items = 0;
+  std::int32_t layer_begin = 0;
+  std::int32_t num_layers = 0;
+  std::int32_t num_heads = 0;
+  std::int32_t max_tokens = 0;  // row pitch of the per-token work buffers
+  std::int32_t* status = nullptr;  // device, status_words
+
+  KVP_HOST_DEVICE std::int64_t rows() const noexcept {
+    return std::int64_t{num_items} * num_layers * num_heads;
+  }
+};
+
+struct row_coord {
+  std::int32_t item, layer, head;
+};
+
+__device__ inline row_coord decode_row(const row_space& rs, std::int64_t r) {
+  const auto h = static_cast<std::int32_t>(r % rs.num_heads);
+  const auto rest = r / rs.num_heads;
+  const auto l = static_cast<std::int32_t>(rest % rs.num_layers);
+  return {static_cast<std::int32_t>(rest / rs.num_layers), rs.layer_begin + l, h};
+}
+
+// Kernels after validation do nothing once an error was found, so a malformed
+// batch never writes a byte.
+__device__ inline bool failed(const row_space& rs) {
+  return *static_cast<volatile const std::int32_t*>(rs.status) != 0;
+}
+
+__device__ inline void report(std::int32_t* status, status_code code, std::int32_t item, std::int32_t a = 0,
+                              std::int32_t b = 0, std::int32_t c = 0, std::int32_t d = 0) {
+  if (atomicCAS(status, 0, static_cast<std::int32_t>(code)) == 0) {
+    status[1] = item;
+    status[2] = a;
+    status[3] = b;
+    status[4] = c;
+    status[5] = d;
+  }
+}
+
+// Composite key of (rank key, position): larger means ranks first, and no two
+// tokens share one, so top-k by this key is exactly kvp::ranks_before's order.
+__device__ inline std::uint64_t rank_bits(float key, std::int32_t t) {
+  if (key != key) key = -__builtin_huge_valf();
+  std::uint32_t u = __float_as_uint(key);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving float -> unsigned
+  return (static_cast<std::uint64_t>(u) << 32) | static_cast<std::uint32_t>(t);
+}
+
+using block_reduce = cub::BlockReduce<float, row_threads>;
+
+struct max_op {
+  __device__ float operator()(float a, float b) const { return a > b ? a : b; }
+};
+
+// Block-wide max / sum of a value each thread holds; result on every thread.
+__device__ inline float block_max(float v, typename block_reduce::TempStorage& tmp, float& out) {
+  const float r = block_reduce(tmp).Reduce(v, max_op{});
+  if (threadIdx.x == 0) out = r;
+  __syncthreads();
+  const float res = out;
+  __syncthreads();
+  return res;
+}
+__device__ inline float block_sum(float v, typename block_reduce::TempStorage& tmp, float& out) {
+  const float r = block_reduce(tmp).Sum(v);
+  if (threadIdx.x == 0) out = r;
+  __syncthreads();
+  const float res = out;
+  __syncthreads();
+  return res;
+}
+
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+}  // namespace cuda
+KVP_NAMESPACE_END

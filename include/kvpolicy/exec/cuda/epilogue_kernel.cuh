@@ -1,0 +1,174 @@
+// The score epilogue, fused: temporal aggregate through F, pooling, redundancy
+// softmax and combine, protect, and top-k selection by a block radix select.
+// One block per (item, layer, KV head) row, the row's scores in shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/pipeline/concepts.hpp"
+#include "kvpolicy/pipeline/traits.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cuda {
+
+// Shared memory of the epilogue, in floats: the row and a copy for pooling.
+KVP_HOST_DEVICE constexpr std::size_t epilogue_smem_floats(std::int32_t max_tokens) {
+  return 2 * std::size_t(max_tokens);
+}
+
+struct epilogue_shared {
+  typename block_reduce::TempStorage reduce;
+  float broadcast;
+  std::uint32_t hist[256];
+  std::uint64_t prefix;
+  std::int32_t remaining;
+};
+
+// Applies an aggregator (or a `then` of two) to s[0, n), as host::apply_aggregate.
+template <class A>
+__device__ void apply_aggregate(const A& a, float* s, float* tmp, std::int32_t n, std::int32_t history,
+                                epilogue_shared& sh, const paged_kv_view& cache, const score_view& f,
+                                const row_coord& rc, std::int32_t seq, std::int32_t T) {
+  if constexpr (TemporalAggregator<A>) {
+    if (a.max_norm) {
+      float m = 0.0f;
+      for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, s[t]);
+      m = block_max(m, sh.reduce, sh.broadcast);
+      if (m > 0.0f)
+        for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) s[t] /= m;
+    }
+    const std::int32_t b = cache.block_size;
+    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+      float& slot = f.at(rc.layer, cache.physical_block(seq, t), t % b, rc.head);
+      if (t < n) {
+        if (t < history) s[t] = a.combine(slot, s[t]);
+        slot = s[t];
+      } else {
+        slot = 0.0f;  // no score: no history
+      }
+    }
+    __syncthreads();
+  } else if constexpr (SpatialAggregator<A>) {
+    if (a.first_only && history != 0) return;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) tmp[t] = s[t];
+    __syncthreads();
+    const std::int32_t r = a.kernel / 2;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
+      const std::int32_t lo = max(0, t - r), hi = min(n - 1, t + r);
+      float acc = a.identity();
+      for (std::int32_t u = lo; u <= hi; ++u) acc = a.reduce(acc, tmp[u]);
+      s[t] = a.finish(acc, hi - lo + 1);
+    }
+    __syncthreads();
+  } else if constexpr (detail::is_then<A>::value) {
+    apply_aggregate(a.first, s, tmp, n, history, sh, cache, f, rc, seq, T);
+    apply_aggregate(a.second, s, tmp, n, history, sh, cache, f, rc, seq, T);
+  }
+}
+
+// Outputs of the epilogue.
+struct epilogue_out {
+  std::uint8_t* keep = nullptr;         // [rows][max_tokens]
+  float* scores = nullptr;              // optional [rows][max_tokens]: final scores
+  std::int32_t* new_lengths = nullptr;  // [items]
+  std::int32_t* released_counts = nullptr;
+  std::int32_t* released_blocks = nullptr;  // [items][max_blocks]
+  std::int32_t max_blocks = 0;
+};
+
+template <class P>
+__global__ void __launch_bounds__(row_threads) epilogue_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
+                                                               const float* scores_in, const float* red_in,
+                                                               epilogue_out out) {
+  using Sel = typename P::select_type;
+  using L = typename P::layout_type;
+  extern __shared__ float4 smem4[];
+  __shared__ epilogue_shared sh;
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int64_t base = row * rs.max_tokens;
+  float* s = reinterpret_cast<float*>(smem4);
+  float* tmp = s + rs.max_tokens;
+  const float inf = __builtin_huge_valf();
+
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)
+    s[t] = std::same_as<typename P::scorer_type, none> ? 0.0f : scores_in[base + t];
+  __syncthreads();
+  apply_aggregate(p.aggregate, s, tmp, n, it.history_tokens, sh, cache, f, rc, it.seq, T);
+
+  if constexpr (!std::same_as<typename P::redundancy_type, none>) {
+    // R = softmax(red / tau) over the candidates; red_in already holds red / n / tau.
+    float m = -inf;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, red_in[base + t]);
+    m = block_max(m, sh.reduce, sh.broadcast);
+    float sum = 0.0f;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) sum += expf(red_in[base + t] - m);
+    sum = block_sum(sum, sh.reduce, sh.broadcast);
+    const float inv = 1.0f / sum;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)
+      s[t] = p.redundancy.combine(s[t], expf(red_in[base + t] - m) * inv);
+  }
+  for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
+    if (p.protect.covers(t, T) || t >= n) s[t] = inf;
+  __syncthreads();
+
+  // Radix select of the keep_count-th largest composite key, 8 bits at a time.
+  std::int32_t keep_count = T;
+  std::uint64_t threshold = 0;
+  if constexpr (!std::same_as<Sel, none>) {
+    keep_count = p.select.keep_count(T, it.budget);
+    if (threadIdx.x == 0) {
+      sh.prefix = 0;
+      sh.remaining = keep_count;
+    }
+    std::uint64_t mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+      for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+      __syncthreads();
+      const std::uint64_t prefix = sh.prefix;
+      for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+        const std::uint64_t key = rank_bits(p.select.rank_key(s[t], t, T), t);
+        if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xffu], 1u);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        std::int32_t above = 0, digit = 255;
+        for (; digit > 0; --digit) {
+          if (above + static_cast<std::int32_t>(sh.hist[digit]) >= sh.remaining) break;
+          above += static_cast<std::int32_t>(sh.hist[digit]);
+        }
+        sh.remaining -= above;
+        sh.prefix = prefix | (static_cast<std::uint64_t>(digit) << shift);
+      }
+      mask |= 0xffull << shift;
+      __syncthreads();
+    }
+    threshold = sh.prefix;
+  }
+  for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+    bool keep = true;
+    if constexpr (!std::same_as<Sel, none>) keep = rank_bits(p.select.rank_key(s[t], t, T), t) >= threshold;
+    out.keep[base + t] = keep;
+    if (out.scores) out.scores[base + t] = s[t];
+  }
+
+  // One block per item reports its new length and the blocks it releases.
+  if (threadIdx.x == 0 && rc.layer == rs.layer_begin && rc.head == 0) {
+    const std::int32_t new_length = moves_tokens<L>() ? keep_count : T;
+    const std::int32_t b = cache.block_size, used = (T + b - 1) / b, kept = (new_length + b - 1) / b;
+    out.new_lengths[rc.item] = new_length;
+    out.released_counts[rc.item] = used - kept;
+    for (std::int32_t k = kept; k < used; ++k)
+      out.released_blocks[std::int64_t{rc.item} * out.max_blocks + (k - kept)] = cache.table.block(it.seq, k);
+  }
+}
+
+}  // namespace cuda
+KVP_NAMESPACE_END

@@ -1,0 +1,258 @@
+// Redundancy stage on the GPU (R-KV sec. 3.3): lightning (pairs within a cache block,
+// Zipage C.7) and full (all pairs, Zipage's flash redundancy with O(T) extra memory).
+// Both write red(t) * (1/n) / tau per candidate; the epilogue applies the softmax.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/load.cuh"
+#include "kvpolicy/pipeline/concepts.hpp"
+#include "kvpolicy/pipeline/traits.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cuda {
+
+// Columns u a warp compares at once against its lane's key v.
+inline constexpr int pair_chunk = 4;
+// Keys per tile of the full scope.
+inline constexpr int full_tile = 64;
+
+// inv[r] = 1 / (||k_r|| + eps) for `count` rows of pitch `pitch` in shared memory.
+__device__ inline void inverse_norms(const float* keys, float* inv, std::int32_t count, std::int32_t d,
+                                     std::int32_t pitch, float eps) {
+  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (std::int32_t r = warp; r < count; r += warps) {
+    float ss = 0.0f;
+    for (std::int32_t i = lane; i < d; i += 32) ss = fmaf(keys[std::size_t(r) * pitch + i], keys[std::size_t(r) * pitch + i], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) inv[r] = 1.0f / (sqrtf(ss) + eps);
+  }
+}
+
+// For columns u0 .. u0 + pair_chunk of `us` against the `count` keys of `vs` (lane
+// v, v + 32, ...): row sums of C(u, .) without the diagonal and the newest v with
+// C(u, v) > theta. Positions are u_pos0 + c and v_pos0 + v.
+struct column_state {
+  float rowsum[pair_chunk];
+  std::int32_t newest[pair_chunk];
+  float newest_c[pair_chunk];
+};
+
+__device__ inline void compare_columns(column_state& st, const float* us, const float* u_inv, std::int32_t u_count,
+                                       std::int32_t u_pos0, const float* vs, const float* v_inv, std::int32_t v_count,
+                                       std::int32_t v_pos0, std::int32_t d, std::int32_t pitch, float theta) {
+  const std::int32_t lane = threadIdx.x % 32;
+  for (std::int32_t v = lane; v < v_count; v += 32) {
+    float acc[pair_chunk];
+#pragma unroll
+    for (int c = 0; c < pair_chunk; ++c) acc[c] = 0.0f;
+    const float* vrow = vs + std::size_t(v) * pitch;
+    for (std::int32_t i = 0; i < d; i += 4) {
+      const float4 kv = *reinterpret_cast<const float4*>(vrow + i);
+#pragma unroll
+      for (int c = 0; c < pair_chunk; ++c)
+        if (c < u_count) acc[c] = dot4(*reinterpret_cast<const float4*>(us + std::size_t(c) * pitch + i), kv, acc[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < pair_chunk; ++c) {
+      if (c >= u_count || u_pos0 + c == v_pos0 + v) continue;
+      const float sim = acc[c] * (u_inv[c] * v_inv[v]);
+      st.rowsum[c] += sim;
+      if (sim > theta && v_pos0 + v > st.newest[c]) {
+        st.newest[c] = v_pos0 + v;
+        st.newest_c[c] = sim;
+      }
+    }
+  }
+}
+
+// Folds a column's per-lane state over the warp: sum of row sums, and the newest
+// neighbour with its similarity. Every lane ends with the result.
+__device__ inline void reduce_column(float& rowsum, std::int32_t& newest, float& newest_c) {
+  rowsum = warp_sum(rowsum);
+  for (int o = 16; o > 0; o >>= 1) {
+    const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, newest, o);
+    const float c2 = __shfl_xor_sync(0xffffffffu, newest_c, o);
+    if (n2 > newest) {
+      newest = n2;
+      newest_c = c2;
+    }
+  }
+}
+
+// Shared memory of the lightning kernel, in floats: the block's keys, their inverse
+// norms, and per column its row sum, newest neighbour and that similarity.
+KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, std::int32_t d) {
+  return std::size_t(block) * (std::size_t(d) + 4) + 4 * std::size_t(block);
+}
+
+// red(t) = rowsum(t) - sum of C(u, t) over the u whose newest neighbour is t, in u order.
+__device__ inline float dropped_sum(float rowsum, std::int32_t t, const std::int32_t* newest, const float* newest_c,
+                                    std::int32_t count, std::int32_t pos0) {
+  float drop = 0.0f;
+  for (std::int32_t u = 0; u < count; ++u)
+    if (newest[u] == pos0 + t) drop += newest_c[u];
+  return rowsum - drop;
+}
+
+// One block per (row, cache block of b tokens): all pairs of the block in shared
+// memory; n = b. Writes red(t) / b / tau for the block's candidates.
+template <class P>
+__global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                float* red_out) {
+  extern __shared__ float4 smem4[];
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
+  if (pos0 >= n) return;
+  const std::int32_t count = min(b, n - pos0), d = cache.head_dim, pitch = d + 4;
+  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+
+  float* keys = reinterpret_cast<float*>(smem4);
+  float* inv = keys + std::size_t(b) * pitch;
+  float* rowsum = inv + b;
+  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + b);
+  float* newest_c = reinterpret_cast<float*>(newest + b);
+
+  load_rows(keys, count, d, pitch, cache.type,
+            [&](std::int32_t r) { return cache.k_row(rc.layer, it.seq, pos0 + r, rc.head); });
+  __syncthreads();
+  inverse_norms(keys, inv, count, d, pitch, p.redundancy.eps);
+  __syncthreads();
+
+  for (std::int32_t u0 = warp * pair_chunk; u0 < count; u0 += warps * pair_chunk) {
+    column_state st;
+#pragma unroll
+    for (int c = 0; c < pair_chunk; ++c) {
+      st.rowsum[c] = 0.0f;
+      st.newest[c] = -1;
+      st.newest_c[c] = 0.0f;
+    }
+    compare_columns(st, keys + std::size_t(u0) * pitch, inv + u0, min(pair_chunk, count - u0), pos0 + u0, keys, inv,
+                    count, pos0, d, pitch, p.redundancy.theta);
+#pragma unroll
+    for (int c = 0; c < pair_chunk; ++c) {
+      reduce_column(st.rowsum[c], st.newest[c], st.newest_c[c]);
+      if (lane == 0 && u0 + c < count) {
+        rowsum[u0 + c] = st.rowsum[c];
+        newest[u0 + c] = st.newest[c];
+        newest_c[u0 + c] = st.newest_c[c];
+      }
+    }
+  }
+  __syncthreads();
+  const float inv_n = 1.0f / static_cast<float>(b);
+  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x) {
+    const float red = dropped_sum(rowsum[t], t, newest, newest_c, count, pos0);
+    red_out[row * rs.max_tokens + pos0 + t] = red * inv_n / p.redundancy.tau;
+  }
+}
+
+// Shared memory of the full kernel, in floats: a tile of columns u and a tile of keys
+// v, with their inverse norms.
+KVP_HOST_DEVICE constexpr std::size_t full_smem_floats(std::int32_t d) {
+  return 2 * std::size_t(full_tile) * (std::size_t(d) + 4) + 2 * full_tile;
+}
+
+// Full scope, first half: one block per (row, tile of 64 columns u) streams every key
+// tile v and writes, per u, its row sum and newest similar neighbour. O(T) memory.
+template <class P>
+__global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                   float* rowsum_out, std::int32_t* newest_out,
+                                                                   float* newest_c_out) {
+  extern __shared__ float4 smem4[];
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t u_pos0 = static_cast<std::int32_t>(blockIdx.y) * full_tile;
+  if (u_pos0 >= n) return;
+  const std::int32_t u_count = min(full_tile, n - u_pos0), d = cache.head_dim, pitch = d + 4;
+  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  float* us = reinterpret_cast<float*>(smem4);
+  float* vs = us + std::size_t(full_tile) * pitch;
+  float* u_inv = vs + std::size_t(full_tile) * pitch;
+  float* v_inv = u_inv + full_tile;
+  auto k_row = [&](std::int32_t pos) { return cache.k_row(rc.layer, it.seq, pos, rc.head); };
+  load_rows(us, u_count, d, pitch, cache.type, [&](std::int32_t r) { return k_row(u_pos0 + r); });
+  __syncthreads();
+  inverse_norms(us, u_inv, u_count, d, pitch, p.redundancy.eps);
+
+  // Each warp owns full_tile / warps columns, pair_chunk at a time.
+  constexpr int per_warp = full_tile / (row_threads / 32);
+  constexpr int chunks = per_warp / pair_chunk;
+  column_state st[chunks];
+#pragma unroll
+  for (int k = 0; k < chunks; ++k)
+#pragma unroll
+    for (int c = 0; c < pair_chunk; ++c) {
+      st[k].rowsum[c] = 0.0f;
+      st[k].newest[c] = -1;
+      st[k].newest_c[c] = 0.0f;
+    }
+  for (std::int32_t v_pos0 = 0; v_pos0 < n; v_pos0 += full_tile) {
+    const std::int32_t v_count = min(full_tile, n - v_pos0);
+    __syncthreads();
+    load_rows(vs, v_count, d, pitch, cache.type, [&](std::int32_t r) { return k_row(v_pos0 + r); });
+    __syncthreads();
+    inverse_norms(vs, v_inv, v_count, d, pitch, p.redundancy.eps);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < chunks; ++k) {
+      const std::int32_t u0 = warp * per_warp + k * pair_chunk;
+      if (u0 < u_count)
+        compare_columns(st[k], us + std::size_t(u0) * pitch, u_inv + u0, min(pair_chunk, u_count - u0), u_pos0 + u0,
+                        vs, v_inv, v_count, v_pos0, d, pitch, p.redundancy.theta);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < chunks; ++k) {
+    const std::int32_t u0 = warp * per_warp + k * pair_chunk;
+#pragma unroll
+    for (int c = 0; c < pair_chunk; ++c) {
+      reduce_column(st[k].rowsum[c], st[k].newest[c], st[k].newest_c[c]);
+      if (lane == 0 && u0 + c < u_count) {
+        const std::int64_t at = row * rs.max_tokens + u_pos0 + u0 + c;
+        rowsum_out[at] = st[k].rowsum[c];
+        newest_out[at] = st[k].newest[c];
+        newest_c_out[at] = st[k].newest_c[c];
+      }
+    }
+  }
+}
+
+// Full scope, second half: one block per row subtracts each u's dropped similarity
+// from its newest neighbour. Additions into one slot are commutative pairs in
+// practice (a token is rarely the newest neighbour of three others).
+template <class P>
+__global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                  const float* rowsum, const std::int32_t* newest,
+                                                                  const float* newest_c, float* red_out) {
+  extern __shared__ float4 smem4[];
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  float* drop = reinterpret_cast<float*>(smem4);
+  const std::int64_t base = row * rs.max_tokens;
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) drop[t] = 0.0f;
+  __syncthreads();
+  for (std::int32_t u = threadIdx.x; u < n; u += blockDim.x)
+    if (newest[base + u] >= 0) atomicAdd(&drop[newest[base + u]], newest_c[base + u]);
+  __syncthreads();
+  const float inv_n = 1.0f / static_cast<float>(n);
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)
+    red_out[base + t] = (rowsum[base + t] - drop[t]) * inv_n / p.redundancy.tau;
+}
+
+}  // namespace cuda
+KVP_NAMESPACE_END

@@ -1,0 +1,260 @@
+// The CUDA executor: runs any pipeline of the token-wise family on a stream, over
+// the same views as the host executor, with the same keep masks and bytes.
+//
+// CUB's two-phase convention: call compress() with temp == nullptr to get the
+// workspace size, allocate it, call again. No allocation, no host synchronisation:
+// a whole compression can be captured in a CUDA graph. Malformed shapes throw
+// kvp::error before any launch; malformed device data (lengths, block ids, batch
+// items) is caught by the first kernel, which then stops every later kernel, and
+// is reported in `device_result::status` (see check()).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/query_window_view.hpp"
+#include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/compact_kernel.cuh"
+#include "kvpolicy/exec/cuda/epilogue_kernel.cuh"
+#include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
+#include "kvpolicy/exec/cuda/score_kernel.cuh"
+#include "kvpolicy/exec/cuda/validate_kernel.cuh"
+#include "kvpolicy/exec/device_status.hpp"
+#include "kvpolicy/exec/validate.hpp"
+#include "kvpolicy/pipeline/pipeline.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+// A compression batch whose items live in device memory.
+struct device_batch {
+  const batch_item* items = nullptr;  // device, [num_items]
+  std::int32_t num_items = 0;
+  std::int32_t max_tokens = 0;  // at least every batch sequence's length (checked on the device)
+  std::int32_t layer_begin = 0;
+  std::int32_t layer_count = 0;  // 0: all layers from layer_begin on
+};
+
+// Where the executor writes its results, all device memory.
+struct device_result {
+  std::int32_t* status = nullptr;           // [status_words]; 0 in status[0] means success
+  std::int32_t* new_lengths = nullptr;      // [num_items]
+  std::int32_t* released_counts = nullptr;  // [num_items]
+  std::int32_t* released_blocks = nullptr;  // [num_items][max_blocks(batch, cache)]
+  std::uint8_t* keep_masks = nullptr;       // optional [num_items][layers][h_kv][max_tokens]
+  float* scores = nullptr;                  // optional, same shape: final scores after protect
+};
+
+// Optional copies of the results to pinned host memory, made on the same stream.
+struct host_mirror {
+  std::int32_t* status = nullptr;
+  std::int32_t* new_lengths = nullptr;
+  std::int32_t* released_counts = nullptr;
+  std::int32_t* released_blocks = nullptr;
+};
+
+// Rows of the released-block list of each item.
+inline std::int32_t max_blocks(const device_batch& batch, const paged_kv_view& cache) {
+  return (batch.max_tokens + cache.block_size - 1) / cache.block_size;
+}
+
+// Throws the kvp::error a failed device validation stands for (status in host memory).
+inline void check(const std::int32_t* host_status) { throw_if_error(host_status); }
+
+struct cuda_executor {
+  cudaStream_t stream = nullptr;
+  host_mirror mirror{};
+  // Optional: 5 events recorded before the first kernel and after the score,
+  // redundancy, epilogue (aggregate + select) and layout stages. Not while capturing.
+  cudaEvent_t* stage_marks = nullptr;
+
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
+                       const paged_kv_view& cache, const query_window_view& queries, const score_view& scores,
+                       const device_batch& batch, const device_result& out) const {
+    using P = pipeline<S, A, R, Sel, L>;
+    const P pv = p;
+    validate_shapes(pv, cache, queries, scores, compression_batch{{}, batch.layer_begin, batch.layer_count}, false);
+    const layer_range layers = resolve_layers(compression_batch{{}, batch.layer_begin, batch.layer_count}, cache);
+    require(batch.num_items >= 0, "batch.num_items", "is {}; must not be negative", batch.num_items);
+    require(batch.max_tokens > 0, "batch.max_tokens", "is {}; must be positive", batch.max_tokens);
+    check_device_shapes(pv, cache, queries, batch);
+
+    const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
+                       batch.max_tokens, out.status};
+    const auto plan = plan_workspace<P>(rs, out);
+    if (temp == nullptr) {
+      temp_bytes = plan.total;
+      return cudaSuccess;
+    }
+    require(temp_bytes >= plan.total, "temp_bytes", "is {}; the batch needs {}", temp_bytes, plan.total);
+    require(out.status && out.new_lengths && out.released_counts && out.released_blocks, "out",
+            "needs status, new_lengths, released_counts and released_blocks (a null pointer was given)");
+    require(batch.num_items == 0 || batch.items != nullptr, "batch.items", "is a null pointer");
+
+    auto* ws = static_cast<std::byte*>(temp);
+    auto* score_buf = reinterpret_cast<float*>(ws + plan.scores);
+    auto* red_buf = reinterpret_cast<float*>(ws + plan.red);
+    std::uint8_t* keep = out.keep_masks ? out.keep_masks : reinterpret_cast<std::uint8_t*>(ws + plan.keep);
+    const auto rows = static_cast<unsigned>(rs.rows());
+    const auto mark = [&](int i) {
+      if (stage_marks) cudaEventRecord(stage_marks[i], stream);
+    };
+
+    cudaMemsetAsync(out.status, 0, status_words * sizeof(std::int32_t), stream);
+    mark(0);
+    if (batch.num_items > 0) {
+      cuda::validate_kernel<<<batch.num_items, cuda::row_threads, 0, stream>>>(pv, cache, queries, rs);
+      if constexpr (AttentionScorer<S>) {
+        const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
+        const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
+        launch(cuda::attention_score_kernel<S>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+      } else if constexpr (KeyScorer<S>) {
+        launch(cuda::key_score_kernel<S>, rows, 1, 0, pv.scorer, cache, rs, score_buf);
+      }
+      mark(1);
+      if constexpr (!std::same_as<R, none>) {
+        const std::int32_t d = cache.head_dim;
+        if constexpr (R::pairs == redundancy::scope::block) {
+          const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
+          launch(cuda::lightning_kernel<P>, rows, max_blocks(batch, cache), smem, pv, cache, rs, red_buf);
+        } else {
+          auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum);
+          auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest);
+          auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c);
+          const auto tiles = static_cast<unsigned>((batch.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
+          launch(cuda::full_columns_kernel<P>, rows, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs,
+                 rowsum, newest, newest_c);
+          launch(cuda::full_finish_kernel<P>, rows, 1, std::size_t(batch.max_tokens) * sizeof(float), pv, cache, rs,
+                 rowsum, newest, newest_c, red_buf);
+        }
+      }
+      mark(2);
+      const cuda::epilogue_out eo{keep,           out.scores, out.new_lengths, out.released_counts,
+                                  out.released_blocks, max_blocks(batch, cache)};
+      launch(cuda::epilogue_kernel<P>, rows, 1, cuda::epilogue_smem_floats(batch.max_tokens) * sizeof(float), pv, cache,
+             scores, rs, score_buf, red_buf, eo);
+      mark(3);
+      if constexpr (moves_tokens<L>()) {
+        const std::int32_t chunk = cuda::compact_chunk(cache.row_bytes(), compact_smem_bytes);
+        // F moves with its tokens only when the pipeline keeps scores in it.
+        const score_view moved_f = uses_score_cache<A>() ? scores : score_view{};
+        launch(cuda::compact_kernel<P>, rows, 1, 2 * std::size_t(chunk) * cache.row_bytes(), pv, cache, moved_f, rs,
+               keep, chunk);
+      }
+    } else {
+      mark(1), mark(2), mark(3);
+    }
+    mark(4);
+    if (mirror.status) {
+      cudaMemcpyAsync(mirror.status, out.status, status_words * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream);
+      const std::size_t items = static_cast<std::size_t>(batch.num_items) * sizeof(std::int32_t);
+      if (mirror.new_lengths) cudaMemcpyAsync(mirror.new_lengths, out.new_lengths, items, cudaMemcpyDeviceToHost, stream);
+      if (mirror.released_counts)
+        cudaMemcpyAsync(mirror.released_counts, out.released_counts, items, cudaMemcpyDeviceToHost, stream);
+      if (mirror.released_blocks)
+        cudaMemcpyAsync(mirror.released_blocks, out.released_blocks, items * max_blocks(batch, cache),
+                        cudaMemcpyDeviceToHost, stream);
+    }
+    return cudaGetLastError();
+  }
+
+ private:
+  // Shared memory a compaction chunk may use for its rows.
+  static constexpr std::size_t compact_smem_bytes = 64 * 1024;
+
+  struct workspace_plan {
+    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, total = 0;
+  };
+
+  template <class P>
+  static workspace_plan plan_workspace(const cuda::row_space& rs, const device_result& out) {
+    const std::size_t cells = static_cast<std::size_t>(rs.rows()) * static_cast<std::size_t>(rs.max_tokens);
+    workspace_plan w;
+    auto take = [&](std::size_t bytes) {
+      const std::size_t at = w.total;
+      w.total += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    w.scores = take(cells * sizeof(float));
+    if constexpr (!std::same_as<typename P::redundancy_type, none>) {
+      w.red = take(cells * sizeof(float));
+      if constexpr (P::redundancy_type::pairs == redundancy::scope::full) {
+        w.rowsum = take(cells * sizeof(float));
+        w.newest = take(cells * sizeof(std::int32_t));
+        w.newest_c = take(cells * sizeof(float));
+      }
+    }
+    if (!out.keep_masks) w.keep = take(cells);
+    return w;
+  }
+
+  static int shared_memory_limit() {
+    int device = 0, limit = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    return limit;
+  }
+
+  // What the kernels need beyond what the host executor needs: 16-byte rows, and
+  // per-row working sets that fit in shared memory.
+  template <class P>
+  static void check_device_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
+                                  const device_batch& batch) {
+    const std::int64_t row = cache.row_bytes();
+    require(row % 16 == 0, "cache.head_dim", "is {}; the CUDA executor moves rows of a multiple of 16 bytes ({} here)",
+            cache.head_dim, row);
+    const auto aligned = [&](std::int64_t elems, dtype t) { return elems * size_of(t) % 16 == 0; };
+    const kv_strides* strides[2] = {&cache.k_stride, &cache.v_stride};
+    const layer_bases* bases[2] = {&cache.k, &cache.v};
+    for (int kv = 0; kv < 2; ++kv) {
+      const char* name = kv == 0 ? "k" : "v";
+      const kv_strides& st = *strides[kv];
+      require(aligned(st.block, cache.type) && aligned(st.token, cache.type) && aligned(st.head, cache.type),
+              detail::format("cache.{}_stride", name),
+              "is (block {}, token {}, head {}) elements; rows must start on 16-byte boundaries", st.block, st.token,
+              st.head);
+      const layer_bases& lb = *bases[kv];
+      require(aligned(lb.offset, cache.type) && aligned(lb.layer_stride, cache.type), detail::format("cache.{}.offset", name),
+              "is {} (layer stride {}) elements; rows must start on 16-byte boundaries", lb.offset, lb.layer_stride);
+      require(lb.table || reinterpret_cast<std::uintptr_t>(lb.base) % 16 == 0, detail::format("cache.{}.base", name),
+              "address {:#x} is not 16-byte aligned", reinterpret_cast<std::uintptr_t>(lb.base));
+    }
+    const std::size_t limit = static_cast<std::size_t>(shared_memory_limit());
+    require(cuda::epilogue_smem_floats(batch.max_tokens) * sizeof(float) <= limit, "batch.max_tokens",
+            "is {}; the CUDA epilogue holds a row of scores in {} bytes of shared memory", batch.max_tokens, limit);
+    if constexpr (AttentionScorer<typename P::scorer_type>) {
+      const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
+      require(cuda::attention_smem_floats(p.scorer.window, G, cache.head_dim) * sizeof(float) <= limit,
+              "pipeline.scorer.window", "is {}; {} queries of {} dims per KV head exceed {} bytes of shared memory",
+              p.scorer.window, p.scorer.window * G, cache.head_dim, limit);
+      require(aligned(queries.layer_stride, queries.type) && aligned(queries.slot_stride, queries.type) &&
+                  aligned(queries.pos_stride, queries.type) && aligned(queries.head_stride, queries.type),
+              "queries", "strides (layer {}, slot {}, pos {}, head {}) must keep rows on 16-byte boundaries",
+              queries.layer_stride, queries.slot_stride, queries.pos_stride, queries.head_stride);
+      require(reinterpret_cast<std::uintptr_t>(queries.base) % 16 == 0, "queries.base",
+              "address {:#x} is not 16-byte aligned", reinterpret_cast<std::uintptr_t>(queries.base));
+    }
+    if constexpr (!std::same_as<typename P::redundancy_type, none>) {
+      if constexpr (P::redundancy_type::pairs == redundancy::scope::block) {
+        require(cuda::lightning_smem_floats(cache.block_size, cache.head_dim) * sizeof(float) <= limit,
+                "cache.block_size", "is {}; a block of {}-dim keys exceeds {} bytes of shared memory", cache.block_size,
+                cache.head_dim, limit);
+      }
+    }
+  }
+
+  template <class Kernel, class... Args>
+  void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem, Args... args) const {
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, stream>>>(args...);
+  }
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,68 @@
+// How a device-side check reports a malformed input: a few int32 words the
+// validation kernel writes, turned into the same kvp::error the host raises.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/error.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+enum class status_code : std::int32_t {
+  ok = 0,
+  seq_out_of_range,         // a = seq
+  seq_repeated,             // a = seq
+  length_out_of_range,      // a = seq, b = length, c = capacity in tokens
+  length_over_max_tokens,   // a = seq, b = length, c = max_tokens
+  block_out_of_range,       // a = seq, b = logical block, c = block id
+  block_repeated,           // a = seq, b = logical block, c = block id, d = other seq
+  budget_not_positive,      // a = budget
+  budget_over_length,       // a = budget, b = seq, c = length
+  window_over_length,       // a = window, b = seq, c = length, d = 0 scorer / 1 protect
+  history_out_of_range,     // a = history, b = length
+  query_slot_out_of_range,  // a = slot, b = slots
+  budget_under_protected,   // a = budget, b = keep count, c = protected, d = length
+};
+
+// Words: [code, item, a, b, c, d]. The first error found wins (atomicCAS on code).
+inline constexpr int status_words = 6;
+
+// Throws the kvp::error the host executor would have thrown for the same input.
+inline void throw_if_error(const std::int32_t* w) {
+  const auto code = static_cast<status_code>(w[0]);
+  const std::int32_t i = w[1], a = w[2], b = w[3], c = w[4], d = w[5];
+  auto item = [&](const char* f) { return detail::format("batch[{}].{}", i, f); };
+  switch (code) {
+    case status_code::ok: return;
+    case status_code::seq_out_of_range: throw error(item("seq"), detail::format("is {}; out of the cache's sequences", a));
+    case status_code::seq_repeated: throw error(item("seq"), detail::format("is {}, which the batch names twice", a));
+    case status_code::length_out_of_range:
+      throw error(detail::format("cache.lengths[{}]", a),
+                  detail::format("is {}; the block table holds room for {} tokens", b, c));
+    case status_code::length_over_max_tokens:
+      throw error("batch.max_tokens", detail::format("is {}; seq {} holds {} tokens", c, a, b));
+    case status_code::block_out_of_range:
+      throw error(detail::format("cache.table[seq {}][{}]", a, b), detail::format("is block id {}; out of range", c));
+    case status_code::block_repeated:
+      throw error(detail::format("cache.table[seq {}][{}]", a, b),
+                  detail::format("is block id {}, already used by seq {}", c, d));
+    case status_code::budget_not_positive: throw error(item("budget"), detail::format("is {}; must be positive", a));
+    case status_code::budget_over_length:
+      throw error(item("budget"), detail::format("is {}; larger than seq {}'s {} tokens", a, b, c));
+    case status_code::window_over_length:
+      throw error(d == 0 ? "pipeline.scorer.window" : "pipeline.protect.window",
+                  detail::format("is {}; longer than seq {} (batch[{}]) of {} tokens", a, b, i, c));
+    case status_code::history_out_of_range:
+      throw error(item("history_tokens"), detail::format("is {}; must lie in [0, {}] (the sequence's length)", a, b));
+    case status_code::query_slot_out_of_range:
+      throw error(item("query_slot"), detail::format("is {}; the query window view has {} slots", a, b));
+    case status_code::budget_under_protected:
+      throw error(item("budget"), detail::format("is {}; it keeps {} tokens, but {} are protected of {}", a, b, c, d));
+  }
+  throw error("status", detail::format("unknown device status code {}", w[0]));
+}
+
+KVP_NAMESPACE_END

@@ -1,0 +1,5 @@
+// kvpolicy with the CUDA executor. Include from .cu files compiled by nvcc.
+#pragma once
+
+#include "kvpolicy/kvpolicy.hpp"
+#include "kvpolicy/exec/cuda_executor.cuh"

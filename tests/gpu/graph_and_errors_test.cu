@@ -1,0 +1,132 @@
+// The CUDA executor inside a CUDA graph, and malformed device data: caught on the
+// device, reported as the host's kvp::error, with nothing written.
+#include <cstdint>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include "gpu_case.cuh"
+
+namespace kvp_gpu {
+namespace {
+
+case_config zipage_case() {
+  case_config cfg;
+  cfg.layers = 2;
+  cfg.block_size = 64;
+  cfg.kv_heads = 2;
+  cfg.q_heads = 8;
+  cfg.head_dim = 128;
+  cfg.type = kvp::dtype::bf16;
+  cfg.lengths = {256, 256, 192};
+  return cfg;
+}
+
+TEST_CASE("a whole compression is captured in a CUDA graph and replays to the same bytes") {
+  const gpu_case c(zipage_case());
+  const std::vector<kvp::batch_item> items{{0, 0, 192, 0}, {1, 1, 192, 0}};
+  const kvp::presets::zipage p;
+
+  // Reference: a direct run on one copy.
+  device_side direct(c);
+  device_outputs direct_out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+  REQUIRE_EQ(cudaSuccess, direct_out.run(kvp::cuda_executor{}, p, direct));
+
+  // Graph: size and allocate outside the capture, capture the call, replay.
+  device_side graphed(c);
+  device_outputs out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+  std::int32_t* pinned = nullptr;
+  REQUIRE_EQ(cudaSuccess, cudaMallocHost(&pinned, sizeof(std::int32_t) * (kvp::status_words + items.size())));
+  cudaStream_t stream;
+  REQUIRE_EQ(cudaSuccess, cudaStreamCreate(&stream));
+  kvp::cuda_executor ex{.stream = stream, .mirror = {.status = pinned, .new_lengths = pinned + kvp::status_words}};
+  std::size_t bytes = 0;
+  REQUIRE_EQ(cudaSuccess, ex.compress(nullptr, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
+  out.temp.resize(bytes);
+  void* temp = thrust::raw_pointer_cast(out.temp.data());
+  cudaGraph_t graph;
+  REQUIRE_EQ(cudaSuccess, cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  REQUIRE_EQ(cudaSuccess, ex.compress(temp, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
+  REQUIRE_EQ(cudaSuccess, cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  REQUIRE_EQ(cudaSuccess, cudaGraphInstantiate(&exec, graph, 0));
+  REQUIRE_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+  REQUIRE_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+  CHECK(pinned[0] == 0);
+  CHECK(pinned[kvp::status_words] == 192);
+  CHECK(pinned[kvp::status_words + 1] == 192);
+  CHECK(to_host(graphed.kv) == to_host(direct.kv));
+  CHECK(to_host(graphed.f) == to_host(direct.f));
+  CHECK(to_host(out.keep) == to_host(direct_out.keep));
+
+  // A second replay compresses the already compressed cache again: lengths are the
+  // engine's to update, so the graph sees the same lengths and must still run clean.
+  REQUIRE_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+  REQUIRE_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+  CHECK(pinned[0] == 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(pinned);
+}
+
+template <class Mutate>
+void expect_device_error(Mutate mutate, const char* field) {
+  gpu_case c(zipage_case());
+  std::vector<kvp::batch_item> items{{0, 0, 192, 0}, {1, 1, 192, 0}};
+  mutate(c, items);
+  device_side dev(c);
+  const auto kv_before = to_host(dev.kv);
+  const auto f_before = to_host(dev.f);
+  device_outputs out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+  REQUIRE_EQ(cudaSuccess, out.run(kvp::cuda_executor{}, kvp::presets::zipage{}, dev));
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  const auto status = to_host(out.status);
+  REQUIRE(status[0] != 0);
+  try {
+    kvp::check(status.data());
+    FAIL("check() did not throw");
+  } catch (const kvp::error& e) {
+    CHECK(e.field().find(field) != std::string::npos);
+    MESSAGE(std::string(e.what()));
+  }
+  CHECK(to_host(dev.kv) == kv_before);
+  CHECK(to_host(dev.f) == f_before);
+}
+
+TEST_CASE("malformed device data is reported with the field and nothing is written") {
+  expect_device_error([](gpu_case& c, auto&) { c.table[1] = c.num_blocks + 7; }, "cache.table");
+  expect_device_error([](gpu_case& c, auto&) { c.table[c.max_blocks + 1] = c.table[0]; }, "cache.table");
+  expect_device_error([](gpu_case& c, auto&) { c.table[2] = c.table[0]; }, "cache.table");
+  expect_device_error([](gpu_case&, auto& items) { items[1].budget = 300; }, "batch[1].budget");
+  expect_device_error([](gpu_case&, auto& items) { items[0].budget = 8; }, "batch[0].budget");
+  expect_device_error([](gpu_case&, auto& items) { items[1].seq = 0; }, "batch[1].seq");
+  expect_device_error([](gpu_case&, auto& items) { items[0].query_slot = 9; }, "batch[0].query_slot");
+  expect_device_error([](gpu_case&, auto& items) { items[0].history_tokens = 999; }, "batch[0].history_tokens");
+  expect_device_error([](gpu_case& c, auto&) { c.lengths[0] = 999; }, "cache.lengths[0]");
+}
+
+TEST_CASE("malformed shapes throw before any launch") {
+  const gpu_case c(zipage_case());
+  device_side dev(c);
+  const std::vector<kvp::batch_item> items{{0, 0, 192, 0}};
+  device_outputs out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+  kvp::presets::zipage p;
+  p.aggregate.second.kernel = 4;
+  std::size_t bytes = 0;
+  CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, p, dev.cache, dev.queries, dev.scores, out.batch, out.result),
+                  kvp::error);
+  auto bad = dev.cache;
+  bad.k_stride.dim = 2;
+  CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, bad, dev.queries, dev.scores,
+                                                out.batch, out.result),
+                  kvp::error);
+  auto no_f = dev.scores;
+  no_f.base = nullptr;
+  CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, no_f,
+                                                out.batch, out.result),
+                  kvp::error);
+}
+
+}  // namespace
+}  // namespace kvp_gpu

@@ -1,0 +1,183 @@
+// Host/device parity of the CUDA executor over random configurations: the keep
+// masks agree (up to near-ties of fp32 scores, each one certified), scores agree to
+// fp32 rounding, and every byte of K and V equals the host layout applied to the
+// device's masks (so nothing outside the batch is written either).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include "gpu_case.cuh"
+
+namespace kvp_gpu {
+namespace {
+
+bool close(float a, float b) {
+  if (std::isinf(a) || std::isinf(b)) return a == b;
+  return std::fabs(a - b) <= 1e-6f + 2e-3f * std::max(std::fabs(a), std::fabs(b));
+}
+
+// The same pipeline with layout `none`: scores, F and masks, nothing moved.
+template <class S, class A, class R, class Sel, class L>
+kvp::pipeline<S, A, R, Sel, kvp::none> without_layout(const kvp::pipeline<S, A, R, Sel, L>& p) {
+  return {p.scorer, p.aggregate, p.redundancy, p.select, {}, p.protect};
+}
+
+struct parity_report {
+  std::int64_t tokens = 0, mask_mismatches = 0;
+  double max_score_error = 0;
+};
+
+template <class P>
+void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp::batch_item>& items,
+                  parity_report& rep) {
+  gpu_case c(cfg);
+  const std::int32_t H = cfg.kv_heads, L = cfg.layers;
+  std::int32_t max_tokens = 0;
+  for (auto T : cfg.lengths) max_tokens = std::max(max_tokens, T);
+  const std::span<const kvp::batch_item> span(items);
+
+  // Host, full pipeline: masks, final scores, new lengths, released blocks.
+  host_side full(c);
+  const kvp::host_executor hx{.record_keep_masks = true, .record_scores = true};
+  const kvp::host_result want = hx.compress(preset, full.cache, full.queries, full.scores, {span});
+
+  // Device.
+  device_side dev(c);
+  device_outputs out(items, max_tokens, L * H, c.max_blocks);
+  kvp::cuda_executor cx;
+  REQUIRE_EQ(cudaSuccess, out.run(cx, preset, dev));
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  const auto status = to_host(out.status);
+  REQUIRE_MESSAGE(status[0] == 0, "device status ", status[0]);
+  const auto keep = to_host(out.keep);
+  const auto scores = to_host(out.final_scores);
+  const auto new_lengths = to_host(out.new_lengths);
+  const auto released_counts = to_host(out.released_counts);
+  const auto released = to_host(out.released_blocks);
+
+  // Expected bytes: host scores and F without moving, then the host layout applied
+  // to the device's masks.
+  host_side expect(c);
+  hx.compress(without_layout(preset), expect.cache, expect.queries, expect.scores, {span});
+
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::int32_t seq = items[i].seq, T = c.lengths[seq];
+    CHECK(new_lengths[i] == want.new_lengths[i]);
+    REQUIRE(released_counts[i] == static_cast<std::int32_t>(want.released_blocks[i].size()));
+    for (std::int32_t k = 0; k < released_counts[i]; ++k)
+      CHECK(released[i * c.max_blocks + k] == want.released_blocks[i][k]);
+    for (std::int32_t row = 0; row < L * H; ++row) {
+      const std::size_t dev_at = (i * L * H + row) * std::size_t(max_tokens), host_at = std::size_t(row) * T;
+      // Boundary: the lowest final score the host kept.
+      float boundary = __builtin_huge_valf();
+      for (std::int32_t t = 0; t < T; ++t)
+        if (want.keep_masks[i][host_at + t]) boundary = std::min(boundary, want.scores[i][host_at + t]);
+      std::vector<std::uint8_t> dev_keep(T);
+      for (std::int32_t t = 0; t < T; ++t) {
+        const float h = want.scores[i][host_at + t], d = scores[dev_at + t];
+        ++rep.tokens;
+        if (!std::isinf(h)) rep.max_score_error = std::max<double>(rep.max_score_error, std::fabs(h - d));
+        CHECK_MESSAGE(close(h, d), "score of token ", t, " row ", row, ": host ", h, " device ", d);
+        dev_keep[t] = keep[dev_at + t];
+        if (dev_keep[t] != want.keep_masks[i][host_at + t]) {
+          ++rep.mask_mismatches;
+          CHECK_MESSAGE(close(h, boundary), "mask differs at token ", t, " (score ", h, ") away from the boundary ",
+                        boundary);
+        }
+      }
+      const std::int32_t l = row / H, h = row % H;
+      if constexpr (kvp::moves_tokens<typename P::layout_type>())
+        kvp::host::compact_row(preset.layout, expect.cache, kvp::uses_score_cache<typename P::aggregate_type>()
+                                                                ? expect.scores
+                                                                : kvp::score_view{},
+                               l, seq, h, dev_keep);
+    }
+  }
+  const auto kv = to_host(dev.kv);
+  REQUIRE(kv.size() == expect.kv.size());
+  std::size_t first_diff = kv.size();
+  for (std::size_t k = 0; k < kv.size() && first_diff == kv.size(); ++k)
+    if (kv[k] != expect.kv[k]) first_diff = k;
+  CHECK_MESSAGE(first_diff == kv.size(), "K/V byte ", first_diff, " of ", kv.size(), " differs");
+  const auto f = to_host(dev.f);
+  std::size_t f_bad = 0;
+  for (std::size_t k = 0; k < f.size(); ++k) f_bad += !close(f[k], expect.f[k]);
+  CHECK_MESSAGE(f_bad == 0, f_bad, " F entries differ");
+}
+
+// KVP_PARITY_SCALE (default 1) scales the case counts, e.g. 0.1 under compute-sanitizer.
+int scaled(int cases) {
+  const char* s = std::getenv("KVP_PARITY_SCALE");
+  return s ? std::max(1, static_cast<int>(cases * std::atof(s))) : cases;
+}
+
+template <class P>
+void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep) {
+  std::mt19937 rng(seed0);
+  cases = scaled(cases);
+  const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128}, groups[] = {1, 4, 8};
+  const kvp::dtype types[] = {kvp::dtype::f32, kvp::dtype::bf16, kvp::dtype::f16};
+  const layout_kind layouts[] = {layout_kind::nano_vllm, layout_kind::vllm_flash, layout_kind::hnd};
+  for (int k = 0; k < cases; ++k) {
+    case_config cfg;
+    cfg.block_size = blocks[rng() % 3];
+    cfg.head_dim = dims[rng() % 2];
+    cfg.kv_heads = 1 + static_cast<std::int32_t>(rng() % 2);
+    cfg.q_heads = cfg.kv_heads * groups[rng() % 3];
+    cfg.type = types[rng() % 3];
+    cfg.layout = layouts[rng() % 3];
+    cfg.layers = 1 + static_cast<std::int32_t>(rng() % 2);
+    cfg.window = 32;
+    cfg.seed = rng();
+    const std::int32_t b = cfg.block_size;
+    const std::int32_t n_max = b == 16 ? 4 + static_cast<std::int32_t>(rng() % 6)
+                               : b == 64 ? 2 + static_cast<std::int32_t>(rng() % 4)
+                                         : 2 + static_cast<std::int32_t>(rng() % 2);
+    const std::int32_t seqs = 1 + static_cast<std::int32_t>(rng() % 3);
+    cfg.lengths.clear();
+    std::vector<kvp::batch_item> items;
+    for (std::int32_t s = 0; s < seqs + 1; ++s) {
+      // Ragged: a full last block (Zipage's trigger) or a partial one.
+      const std::int32_t T = n_max * b - (rng() % 2 ? 0 : static_cast<std::int32_t>(rng() % (b / 2)));
+      cfg.lengths.push_back(T);
+      if (s == seqs) break;  // the last sequence stays out of the batch
+      const std::int32_t budget = std::max<std::int32_t>(std::min(T, (n_max - 1) * b), std::min(T, 48));
+      const std::int32_t history = rng() % 2 ? 0 : budget;
+      items.push_back({s, s, budget, history});
+    }
+    std::shuffle(items.begin(), items.end(), rng);
+    INFO(std::string(name), " case ", k, ": b ", b, " d ", cfg.head_dim, " h_kv ", cfg.kv_heads, " h_q ", cfg.q_heads, " ",
+         kvp::name_of(cfg.type), " layout ", static_cast<int>(cfg.layout), " lengths ", cfg.lengths[0]);
+    check_parity(preset, cfg, items, rep);
+  }
+}
+
+TEST_CASE("parity: every preset of the token-wise family on random configurations") {
+  parity_report rep;
+  run_random("zipage", kvp::presets::zipage{}, 60, 1, rep);
+  run_random("rkv", kvp::presets::rkv{}, 30, 2, rep);
+  run_random("gkv", kvp::presets::gkv{}, 30, 3, rep);
+  run_random("snapkv", kvp::presets::snapkv{}, 40, 4, rep);
+  run_random("h2o", kvp::presets::h2o{}, 40, 5, rep);
+  run_random("streaming_llm", kvp::presets::streaming_llm{}, 40, 6, rep);
+  auto variants = kvp::presets::zipage{};
+  variants.scorer.group = kvp::group_reduce::max_logits;
+  variants.redundancy.form = kvp::redundancy::combine_form::subtract;
+  variants.aggregate.second.mode = kvp::aggregate::pool_mode::avg;
+  run_random("zipage/max_logits/subtract/avg", variants, 30, 7, rep);
+  auto mean_sum = kvp::presets::gkv{};
+  mean_sum.scorer.group = kvp::group_reduce::sum;
+  mean_sum.aggregate.mode = kvp::aggregate::global_mode::mean;
+  mean_sum.protect.sinks = 4;
+  run_random("gkv/sum/mean/sinks", mean_sum, 20, 8, rep);
+  MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences, max |score error| {:.3g}"), rep.tokens,
+                      rep.mask_mismatches, rep.max_score_error));
+}
+
+}  // namespace
+}  // namespace kvp_gpu
