@@ -34,7 +34,7 @@ struct parity_report {
 
 template <class P>
 void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp::batch_item>& items,
-                  parity_report& rep) {
+                  parity_report& rep, bool tensor_cores) {
   gpu_case c(cfg);
   const std::int32_t H = cfg.kv_heads, L = cfg.layers;
   std::int32_t max_tokens = 0;
@@ -50,6 +50,7 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   device_side dev(c);
   device_outputs out(items, max_tokens, L * H, c.max_blocks);
   kvp::cuda_executor cx;
+  cx.tensor_cores = tensor_cores;
   REQUIRE_EQ(cudaSuccess, out.run(cx, preset, dev));
   REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
   const auto status = to_host(out.status);
@@ -117,7 +118,8 @@ int scaled(int cases) {
 }
 
 template <class P>
-void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep) {
+void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep,
+                bool tensor_cores = true) {
   std::mt19937 rng(seed0);
   cases = scaled(cases);
   const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128}, groups[] = {1, 4, 8};
@@ -153,7 +155,7 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
     std::shuffle(items.begin(), items.end(), rng);
     INFO(std::string(name), " case ", k, ": b ", b, " d ", cfg.head_dim, " h_kv ", cfg.kv_heads, " h_q ", cfg.q_heads, " ",
          kvp::name_of(cfg.type), " layout ", static_cast<int>(cfg.layout), " lengths ", cfg.lengths[0]);
-    check_parity(preset, cfg, items, rep);
+    check_parity(preset, cfg, items, rep, tensor_cores);
   }
 }
 
@@ -175,6 +177,8 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   mean_sum.aggregate.mode = kvp::aggregate::global_mode::mean;
   mean_sum.protect.sinks = 4;
   run_random("gkv/sum/mean/sinks", mean_sum, 20, 8, rep);
+  run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
+  run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences, max |score error| {:.3g}"), rep.tokens,
                       rep.mask_mismatches, rep.max_score_error));
 }

@@ -25,6 +25,8 @@
 #include "kvpolicy/exec/cuda/epilogue_kernel.cuh"
 #include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_kernel.cuh"
+#include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
+#include "kvpolicy/exec/cuda/lightning_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/validate_kernel.cuh"
 #include "kvpolicy/exec/device_status.hpp"
 #include "kvpolicy/exec/validate.hpp"
@@ -73,6 +75,9 @@ struct cuda_executor {
   // Optional: 5 events recorded before the first kernel and after the score,
   // redundancy, epilogue (aggregate + select) and layout stages. Not while capturing.
   cudaEvent_t* stage_marks = nullptr;
+  // Q.K^T and K.K^T on tensor cores when the cache is f16/bf16 (and the queries of
+  // the same type) and head_dim is a multiple of 16; false forces the fp32 FMA kernels.
+  bool tensor_cores = true;
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
@@ -113,8 +118,16 @@ struct cuda_executor {
       cuda::validate_kernel<<<batch.num_items, cuda::row_threads, 0, stream>>>(pv, cache, queries, rs);
       if constexpr (AttentionScorer<S>) {
         const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-        const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
-        launch(cuda::attention_score_kernel<S>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+        if (mma_scores(cache, queries)) {
+          const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim);
+          if (cache.type == dtype::bf16)
+            launch(cuda::attention_score_mma_kernel<S, dtype::bf16>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+          else
+            launch(cuda::attention_score_mma_kernel<S, dtype::f16>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+        } else {
+          const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
+          launch(cuda::attention_score_kernel<S>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+        }
       } else if constexpr (KeyScorer<S>) {
         launch(cuda::key_score_kernel<S>, rows, 1, 0, pv.scorer, cache, rs, score_buf);
       }
@@ -122,8 +135,17 @@ struct cuda_executor {
       if constexpr (!std::same_as<R, none>) {
         const std::int32_t d = cache.head_dim;
         if constexpr (R::pairs == redundancy::scope::block) {
-          const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
-          launch(cuda::lightning_kernel<P>, rows, max_blocks(batch, cache), smem, pv, cache, rs, red_buf);
+          const unsigned blocks = static_cast<unsigned>(max_blocks(batch, cache));
+          if (mma_keys(cache)) {
+            const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
+            if (cache.type == dtype::bf16)
+              launch(cuda::lightning_mma_kernel<P, dtype::bf16>, rows, blocks, smem, pv, cache, rs, red_buf);
+            else
+              launch(cuda::lightning_mma_kernel<P, dtype::f16>, rows, blocks, smem, pv, cache, rs, red_buf);
+          } else {
+            const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
+            launch(cuda::lightning_kernel<P>, rows, blocks, smem, pv, cache, rs, red_buf);
+          }
         } else {
           auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum);
           auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest);
@@ -166,6 +188,13 @@ struct cuda_executor {
   }
 
  private:
+  bool mma_keys(const paged_kv_view& cache) const {
+    return tensor_cores && cache.type != dtype::f32 && cache.head_dim % 16 == 0;
+  }
+  bool mma_scores(const paged_kv_view& cache, const query_window_view& queries) const {
+    return mma_keys(cache) && queries.type == cache.type;
+  }
+
   // Shared memory a compaction chunk may use for its rows.
   static constexpr std::size_t compact_smem_bytes = 64 * 1024;
 
@@ -205,8 +234,8 @@ struct cuda_executor {
   // What the kernels need beyond what the host executor needs: 16-byte rows, and
   // per-row working sets that fit in shared memory.
   template <class P>
-  static void check_device_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
-                                  const device_batch& batch) {
+  void check_device_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
+                                  const device_batch& batch) const {
     const std::int64_t row = cache.row_bytes();
     require(row % 16 == 0, "cache.head_dim", "is {}; the CUDA executor moves rows of a multiple of 16 bytes ({} here)",
             cache.head_dim, row);
@@ -231,7 +260,10 @@ struct cuda_executor {
             "is {}; the CUDA epilogue holds a row of scores in {} bytes of shared memory", batch.max_tokens, limit);
     if constexpr (AttentionScorer<typename P::scorer_type>) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-      require(cuda::attention_smem_floats(p.scorer.window, G, cache.head_dim) * sizeof(float) <= limit,
+      const std::size_t need = mma_scores(cache, queries)
+                                   ? cuda::attention_mma_smem_bytes(p.scorer.window, G, cache.head_dim)
+                                   : cuda::attention_smem_floats(p.scorer.window, G, cache.head_dim) * sizeof(float);
+      require(need <= limit,
               "pipeline.scorer.window", "is {}; {} queries of {} dims per KV head exceed {} bytes of shared memory",
               p.scorer.window, p.scorer.window * G, cache.head_dim, limit);
       require(aligned(queries.layer_stride, queries.type) && aligned(queries.slot_stride, queries.type) &&
@@ -243,7 +275,10 @@ struct cuda_executor {
     }
     if constexpr (!std::same_as<typename P::redundancy_type, none>) {
       if constexpr (P::redundancy_type::pairs == redundancy::scope::block) {
-        require(cuda::lightning_smem_floats(cache.block_size, cache.head_dim) * sizeof(float) <= limit,
+        const std::size_t need = mma_keys(cache) ? cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim)
+                                                 : cuda::lightning_smem_floats(cache.block_size, cache.head_dim) *
+                                                       sizeof(float);
+        require(need <= limit,
                 "cache.block_size", "is {}; a block of {}-dim keys exceeds {} bytes of shared memory", cache.block_size,
                 cache.head_dim, limit);
       }

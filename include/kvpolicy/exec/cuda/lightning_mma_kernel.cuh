@@ -1,0 +1,126 @@
+// Lightning redundancy on tensor cores for f16/bf16 caches: the b x b Gram matrix of
+// one cache block with mma.sync, scaled by the inverse norms in fp32, and reduced to
+// row sums and newest similar neighbours without leaving registers.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/mma.cuh"
+#include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
+#include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
+#include "kvpolicy/pipeline/traits.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cuda {
+
+// Shared memory, in bytes: the block's keys [round16(b)][d + 8] (16-bit), and per key
+// its inverse norm, row sum, newest neighbour and that similarity.
+KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t block, std::int32_t d) {
+  const std::size_t rows = static_cast<std::size_t>(round16(block));
+  return rows * (std::size_t(d) + 8) * 2 + 4 * rows * 4;
+}
+
+template <class P, dtype Elem>
+__global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                    float* red_out) {
+  extern __shared__ uint4 smem16[];
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
+  if (pos0 >= n) return;
+  const std::int32_t count = min(b, n - pos0), rows = round16(count), d = cache.head_dim, pitch = d + 8;
+  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const float theta = p.redundancy.theta;
+
+  auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
+  auto* inv = reinterpret_cast<float*>(keys + std::size_t(rows) * pitch);
+  float* rowsum = inv + rows;
+  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
+  float* newest_c = reinterpret_cast<float*>(newest + rows);
+
+  copy_rows_async(keys, rows, count, d, pitch,
+                  [&](std::int32_t r) -> const std::byte* { return cache.k_row(rc.layer, it.seq, pos0 + r, rc.head); });
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  for (std::int32_t r = warp; r < count; r += warps) {
+    float ss = 0.0f;
+    for (std::int32_t i = lane; i < d; i += 32) {
+      const float x = load_as_float(keys + std::size_t(r) * pitch, Elem, i);
+      ss = fmaf(x, x, ss);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) inv[r] = 1.0f / (sqrtf(ss) + p.redundancy.eps);
+  }
+  __syncthreads();
+
+  for (std::int32_t m0 = warp * 16; m0 < rows; m0 += warps * 16) {
+    const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
+    const float u_inv[2] = {u[0] < count ? inv[u[0]] : 0.0f, u[1] < count ? inv[u[1]] : 0.0f};
+    float sum[2] = {0.0f, 0.0f}, near_c[2] = {0.0f, 0.0f};
+    std::int32_t near[2] = {-1, -1};
+    for (std::int32_t v0 = 0; v0 < rows; v0 += 32) {
+      float acc[4][4] = {};
+      for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
+        std::uint32_t a[4];
+        ldmatrix_x4(a, keys + std::size_t(m0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          if (v0 + np * 16 >= rows) break;
+          std::uint32_t bf[4];
+          ldmatrix_x4(bf, keys + std::size_t(v0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
+          mma_16816<Elem>(acc[np * 2], a, bf[0], bf[1]);
+          mma_16816<Elem>(acc[np * 2 + 1], a, bf[2], bf[3]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const std::int32_t v = v0 + nt * 8 + (lane % 4) * 2 + e;
+            if (u[h] >= count || v >= count || v == u[h]) continue;
+            const float sim = acc[nt][h * 2 + e] * (u_inv[h] * inv[v]);
+            sum[h] += sim;
+            if (sim > theta && v > near[h]) {
+              near[h] = v;
+              near_c[h] = sim;
+            }
+          }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // The four lanes of a quad hold the same row.
+      for (int o = 1; o < 4; o <<= 1) {
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], o);
+        const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, near[h], o);
+        const float c2 = __shfl_xor_sync(0xffffffffu, near_c[h], o);
+        if (n2 > near[h]) {
+          near[h] = n2;
+          near_c[h] = c2;
+        }
+      }
+      if (lane % 4 == 0 && u[h] < count) {
+        rowsum[u[h]] = sum[h];
+        newest[u[h]] = near[h] < 0 ? -1 : pos0 + near[h];
+        newest_c[u[h]] = near_c[h];
+      }
+    }
+  }
+  __syncthreads();
+  const float inv_n = 1.0f / static_cast<float>(b);
+  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x) {
+    const float red = dropped_sum(rowsum[t], t, newest, newest_c, count, pos0);
+    red_out[row * rs.max_tokens + pos0 + t] = red * inv_n / p.redundancy.tau;
+  }
+}
+
+}  // namespace cuda
+KVP_NAMESPACE_END
