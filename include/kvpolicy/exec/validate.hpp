@@ -31,6 +31,20 @@ inline void validate_strides(const kv_strides& s, const paged_kv_view& c, const 
   const std::int64_t block_elems = std::int64_t{c.block_size} * c.num_kv_heads * d;
   require(s.block >= block_elems, detail::format("cache.{}.block", name),
           "is {}; must be at least block_size * num_kv_heads * head_dim = {}", s.block, block_elems);
+  // The rows of a block must not overlap one another: the smaller of the token and
+  // head strides spans one row (checked above), the larger all rows of the smaller
+  // (NHD, HND and padded forms of them all nest so). And a block's rows must end
+  // within the block stride, or block p + 1 starts inside block p.
+  const std::int64_t b = c.block_size, h = c.num_kv_heads;
+  const bool token_inner = s.token <= s.head;
+  const std::int64_t inner = token_inner ? s.token : s.head, inner_n = token_inner ? b : h;
+  const std::int64_t outer = token_inner ? s.head : s.token, outer_n = token_inner ? h : b;
+  require(outer_n == 1 || outer >= (inner_n - 1) * inner + d, detail::format("cache.{}", name),
+          "token stride {} and head stride {} make the rows of {} tokens x {} heads x {} elements overlap", s.token,
+          s.head, b, h, d);
+  const std::int64_t extent = (b - 1) * s.token + (h - 1) * s.head + d;
+  require(s.block >= extent, detail::format("cache.{}.block", name),
+          "is {}; a block's rows span {} elements (token stride {}, head stride {})", s.block, extent, s.token, s.head);
 }
 
 // `host_tables`: whether a layer table, when used, may be read here (not when it

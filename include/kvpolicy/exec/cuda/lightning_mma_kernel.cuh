@@ -79,21 +79,26 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
           mma_16816<Elem>(acc[np * 2 + 1], a, bf[2], bf[3]);
         }
       }
+      // A lane meets its columns v in increasing order, so the last v over theta is
+      // the newest; bounds and the diagonal are tested only where a piece needs it.
+      const bool inside = v0 + 32 <= count && m0 + 16 <= count && (v0 >= m0 + 16 || m0 >= v0 + 32);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) {
+          const std::int32_t v = v0 + nt * 8 + (lane % 4) * 2 + e;
+          const float v_inv = v < count ? inv[v] : 0.0f;
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const std::int32_t v = v0 + nt * 8 + (lane % 4) * 2 + e;
-            if (u[h] >= count || v >= count || v == u[h]) continue;
-            const float sim = acc[nt][h * 2 + e] * (u_inv[h] * inv[v]);
+          for (int h = 0; h < 2; ++h) {
+            if (!inside && (u[h] >= count || v >= count || v == u[h])) continue;
+            const float sim = acc[nt][h * 2 + e] * (u_inv[h] * v_inv);
             sum[h] += sim;
-            if (sim > theta && v > near[h]) {
+            if (sim > theta) {
               near[h] = v;
               near_c[h] = sim;
             }
           }
+        }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -115,11 +120,12 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
     }
   }
   __syncthreads();
+  // The dropped similarities, added into rowsum by one warp in u order (deterministic).
+  if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
+  __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(b);
-  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x) {
-    const float red = dropped_sum(rowsum[t], t, newest, newest_c, count, pos0);
-    red_out[row * rs.max_tokens + pos0 + t] = red * inv_n / p.redundancy.tau;
-  }
+  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
+    red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
 }
 
 }  // namespace cuda

@@ -89,13 +89,22 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
   return std::size_t(block) * (std::size_t(d) + 4) + 4 * std::size_t(block);
 }
 
-// red(t) = rowsum(t) - sum of C(u, t) over the u whose newest neighbour is t, in u order.
-__device__ inline float dropped_sum(float rowsum, std::int32_t t, const std::int32_t* newest, const float* newest_c,
-                                    std::int32_t count, std::int32_t pos0) {
-  float drop = 0.0f;
-  for (std::int32_t u = 0; u < count; ++u)
-    if (newest[u] == pos0 + t) drop += newest_c[u];
-  return rowsum - drop;
+// red(t) = rowsum(t) - C(u, t) for every u whose newest neighbour is t. Called by one
+// warp: u in chunks of 32, lanes naming the same t subtract in lane order, so the
+// result does not depend on scheduling. `sums` and `newest` are indexed from pos0.
+__device__ inline void subtract_dropped(float* sums, const std::int32_t* newest, const float* newest_c,
+                                        std::int32_t count, std::int32_t pos0) {
+  const std::int32_t lane = threadIdx.x % 32;
+  for (std::int32_t u0 = 0; u0 < count; u0 += 32) {
+    const std::int32_t u = u0 + lane;
+    const std::int32_t target = u < count ? newest[u] : -1;
+    const float c = u < count ? newest_c[u] : 0.0f;
+    const unsigned peers = __match_any_sync(0xffffffffu, target);
+    float total = 0.0f;
+    for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, c, __ffs(m) - 1);
+    if (target >= 0 && lane == __ffs(peers) - 1) sums[target - pos0] -= total;
+    __syncwarp();
+  }
 }
 
 // One block per (row, cache block of b tokens): all pairs of the block in shared
@@ -147,11 +156,11 @@ __global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_vi
     }
   }
   __syncthreads();
+  if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
+  __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(b);
-  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x) {
-    const float red = dropped_sum(rowsum[t], t, newest, newest_c, count, pos0);
-    red_out[row * rs.max_tokens + pos0 + t] = red * inv_n / p.redundancy.tau;
-  }
+  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
+    red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
 }
 
 // Shared memory of the full kernel, in floats: a tile of columns u and a tile of keys
@@ -230,8 +239,7 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 }
 
 // Full scope, second half: one block per row subtracts each u's dropped similarity
-// from its newest neighbour. Additions into one slot are commutative pairs in
-// practice (a token is rarely the newest neighbour of three others).
+// from its newest neighbour, in u order.
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
                                                                   const float* rowsum, const std::int32_t* newest,
@@ -244,14 +252,12 @@ __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   float* drop = reinterpret_cast<float*>(smem4);
   const std::int64_t base = row * rs.max_tokens;
-  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) drop[t] = 0.0f;
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) drop[t] = rowsum[base + t];
   __syncthreads();
-  for (std::int32_t u = threadIdx.x; u < n; u += blockDim.x)
-    if (newest[base + u] >= 0) atomicAdd(&drop[newest[base + u]], newest_c[base + u]);
+  if (threadIdx.x < 32) subtract_dropped(drop, newest + base, newest_c + base, n, 0);
   __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(n);
-  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)
-    red_out[base + t] = (rowsum[base + t] - drop[t]) * inv_n / p.redundancy.tau;
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) red_out[base + t] = drop[t] * inv_n / p.redundancy.tau;
 }
 
 }  // namespace cuda

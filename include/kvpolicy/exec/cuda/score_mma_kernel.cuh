@@ -115,16 +115,20 @@ __global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, p
             mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
           }
         }
+        // The thread's two query rows and their window positions, once per piece.
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int h = 0; h < 2; ++h) {
+          const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + qi / G;
+          float* zrow = zs + std::size_t(qi) * zp;
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const std::int32_t qi = m0 + lane / 4 + h * 8, key = n0 + nt * 8 + (lane % 4) * 2 + e, t = tile + key;
-              const bool seen = qi < QW && t < n && s.visible(T - w + qi / G, t);
-              zs[std::size_t(qi) * zp + key] = seen ? acc[nt][h * 2 + e] * scale : ninf;
-            }
+          for (int nt = 0; nt < 4; ++nt) {
+            const std::int32_t key = n0 + nt * 8 + (lane % 4) * 2, t = tile + key;
+            float2 z;
+            z.x = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] * scale : ninf;
+            z.y = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] * scale : ninf;
+            *reinterpret_cast<float2*>(zrow + key) = z;
+          }
+        }
       }
       __syncthreads();
 
