@@ -1,0 +1,637 @@
+// kvpolicy benchmarks: the CUDA executor on a nano-vllm paged cache, with Google
+// Benchmark's manual timing (CUDA events around the compression only).
+//
+// Rows (bench/README.md explains each):
+//   copy                            device-to-device cudaMemcpyAsync of 1 GiB: the bandwidth roof
+//   e2e/<preset>/A                  configuration A, one compression, end to end, per preset
+//   stage/zipage/A                  configuration A, zipage, per-stage times from the stage marks
+//   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
+//   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
+//   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
+//   redundancy/full/<T>             the same with all-pairs redundancy (quadratic)
+//   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
+//
+// Configuration A: 16 sequences, 8 layers per launch, h_kv 8, h_q 32, d 128, b 256,
+// N_max 9 (T = 2304 tokens held, the last block full), w 16, bf16, budget
+// (N_max - 1) * b = 2048; every sequence was compressed before (history = budget:
+// Zipage's steady state, so the first-only pool is skipped).
+//
+// Byte model of a compression (the bytes an ideal single pass must touch; rows are
+// the (sequence, layer, KV head) triples of the launch, es the element size):
+//   K read once for every token of every row          rows * T * d * es     (pipelines that read keys)
+//   queries read once                                 L * S * w * h_q * d * es (attention scorers)
+//   F read and written for every token                rows * T * (4 + 4)   (pipelines that keep F)
+//   K and V of every kept token whose slot changes,
+//   read and written                                  moved * 2 * 2 * d * es
+// `moved` (the moved_tokens counter) is counted once per configuration from an
+// untimed run: kept tokens whose destination index differs from their position.
+// GB/s = bytes / time; copy_fraction = GB/s / (best measured copy GB/s, read + write).
+//
+// Per-stage byte models (stage/zipage/A), each stage's own inputs and outputs,
+// including the fp32 work buffers that pass scores between stages:
+//   score       K + queries read, scores written (4 B / token)
+//   redundancy  K read, redundancy written (4 B / token)
+//   epilogue    scores and redundancy read (8 B / token), F read and written (8 B / token),
+//               keep mask written (1 B / token)
+//   layout      keep mask read (1 B / token), moved K and V read and written, moved F
+//               read and written (8 B / moved token)
+#include "kvpolicy/kvpolicy.cuh"  // first: it sets FMT_USE_CONSTEXPR before fmt is seen
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// CUDA plumbing
+// ---------------------------------------------------------------------------
+
+void cuda_check(cudaError_t e, const char* what, const char* file, int line) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
+                             cudaGetErrorString(e));
+}
+#define KVP_BENCH_CHECK(expr) cuda_check((expr), #expr, __FILE__, __LINE__)
+
+// An owning device allocation.
+class dbuf {
+ public:
+  dbuf() = default;
+  explicit dbuf(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) KVP_BENCH_CHECK(cudaMalloc(&p_, bytes_));
+  }
+  dbuf(dbuf&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  dbuf& operator=(dbuf&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = std::exchange(o.p_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  dbuf(const dbuf&) = delete;
+  dbuf& operator=(const dbuf&) = delete;
+  ~dbuf() { reset(); }
+
+  void reset() noexcept {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  template <class T = void>
+  T* get() const noexcept {
+    return static_cast<T*>(p_);
+  }
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class event {
+ public:
+  event() { KVP_BENCH_CHECK(cudaEventCreate(&e_)); }
+  event(const event&) = delete;
+  event& operator=(const event&) = delete;
+  ~event() { cudaEventDestroy(e_); }
+  operator cudaEvent_t() const noexcept { return e_; }
+
+ private:
+  cudaEvent_t e_{};
+};
+
+class stream_guard {
+ public:
+  stream_guard() { KVP_BENCH_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  stream_guard(const stream_guard&) = delete;
+  stream_guard& operator=(const stream_guard&) = delete;
+  ~stream_guard() { cudaStreamDestroy(s_); }
+  operator cudaStream_t() const noexcept { return s_; }
+
+ private:
+  cudaStream_t s_{};
+};
+
+float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0.0f;
+  KVP_BENCH_CHECK(cudaEventElapsedTime(&ms, a, b));
+  return ms;
+}
+
+// ---------------------------------------------------------------------------
+// Random data, generated on the device from a hash of the index (caches reach GBs)
+// ---------------------------------------------------------------------------
+
+__device__ inline std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// p[i] = lo + (hi - lo) * u(seed, i), u uniform in [0, 1), stored as `type`.
+__global__ void fill_uniform_kernel(void* p, std::size_t n, kvp::dtype type, std::uint64_t seed, float lo, float hi) {
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const std::uint64_t h = splitmix64(seed * 0xD1B54A32D192ED03ull + i);
+    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
+    const float v = lo + (hi - lo) * u;
+    switch (type) {
+      case kvp::dtype::f16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+      case kvp::dtype::bf16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+      default: static_cast<float*>(p)[i] = v; break;
+    }
+  }
+}
+
+void fill_uniform(void* p, std::size_t n, kvp::dtype type, std::uint64_t seed, float lo, float hi, cudaStream_t s) {
+  if (n == 0) return;
+  const std::size_t blocks = std::min<std::size_t>((n + 255) / 256, 65536);
+  fill_uniform_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p, n, type, seed, lo, hi);
+  KVP_BENCH_CHECK(cudaGetLastError());
+}
+
+// ---------------------------------------------------------------------------
+// Device copy bandwidth: the roof every copy_fraction is measured against
+// ---------------------------------------------------------------------------
+
+int g_failed_rows = 0;  // rows that reported an error: main's exit status
+
+constexpr std::size_t copy_bytes = std::size_t{1} << 30;  // 1 GiB
+double g_copy_gbps = 0.0;                                 // best measured, read + write
+
+// Times `reps` copies of 1 GiB; returns the best GB/s (2 x size per copy) and fills ms.
+double measure_copy(int reps, std::vector<double>* ms_out = nullptr) {
+  dbuf src(copy_bytes), dst(copy_bytes);
+  stream_guard s;
+  event a, b;
+  fill_uniform(src.get(), copy_bytes / 4, kvp::dtype::f32, 7, -1.0f, 1.0f, s);
+  KVP_BENCH_CHECK(cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s));  // warm-up
+  double best = 0.0;
+  for (int r = 0; r < reps; ++r) {
+    KVP_BENCH_CHECK(cudaEventRecord(a, s));
+    KVP_BENCH_CHECK(cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+    KVP_BENCH_CHECK(cudaEventRecord(b, s));
+    KVP_BENCH_CHECK(cudaEventSynchronize(b));
+    const double ms = elapsed_ms(a, b);
+    if (ms_out) ms_out->push_back(ms);
+    best = std::max(best, 2.0 * double(copy_bytes) / (ms * 1e-3) / 1e9);
+  }
+  return best;
+}
+
+void BM_copy(benchmark::State& state) {
+  try {
+    dbuf src(copy_bytes), dst(copy_bytes);
+    stream_guard s;
+    event a, b;
+    fill_uniform(src.get(), copy_bytes / 4, kvp::dtype::f32, 11, -1.0f, 1.0f, s);
+    KVP_BENCH_CHECK(cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+    double total_s = 0.0, best = 0.0;
+    for (auto _ : state) {
+      KVP_BENCH_CHECK(cudaEventRecord(a, s));
+      KVP_BENCH_CHECK(cudaMemcpyAsync(dst.get(), src.get(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+      KVP_BENCH_CHECK(cudaEventRecord(b, s));
+      KVP_BENCH_CHECK(cudaEventSynchronize(b));
+      const double sec = elapsed_ms(a, b) * 1e-3;
+      state.SetIterationTime(sec);
+      total_s += sec;
+      best = std::max(best, 2.0 * double(copy_bytes) / sec / 1e9);
+    }
+    g_copy_gbps = std::max(g_copy_gbps, best);
+    const double bytes = 2.0 * double(copy_bytes);
+    state.counters["bytes"] = bytes;
+    state.counters["GB_per_s"] = bytes * double(state.iterations()) / total_s / 1e9;
+    state.counters["best_GB_per_s"] = best;
+    state.counters["copy_fraction"] = state.counters["GB_per_s"] / g_copy_gbps;
+  } catch (const std::exception& e) {
+    ++g_failed_rows;
+    state.SkipWithError(e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// A paged cache in nano-vllm's layout, with its queries, F and batch
+// ---------------------------------------------------------------------------
+
+struct shape {
+  std::int32_t seqs = 16;
+  std::int32_t layers = 8;  // layers of the cache; all of them compressed in one launch
+  std::int32_t kv_heads = 8;
+  std::int32_t q_heads = 32;
+  std::int32_t head_dim = 128;
+  std::int32_t block_size = 256;
+  std::int32_t n_max = 9;
+  std::int32_t window = 16;  // observation queries kept per slot (at least the scorer's window)
+  kvp::dtype type = kvp::dtype::bf16;
+
+  std::int32_t tokens() const { return n_max * block_size; }             // T: full last block
+  std::int32_t budget() const { return (n_max - 1) * block_size; }       // Zipage's (N_max - 1) b
+  std::int64_t rows() const { return std::int64_t{seqs} * layers * kv_heads; }
+  std::int64_t es() const { return kvp::size_of(type); }
+};
+
+shape config_a() { return {}; }
+
+// Everything one configuration needs on the device, built once per benchmark run.
+// The cache is `[2, L, num_blocks, b, h_kv, d]`; each sequence holds N_max blocks
+// drawn from a shuffled pool (plus spare blocks nobody owns); queries are
+// `[L, slots, w, h_q, d]`; F is `[L, num_blocks, b, h_kv]` fp32. Compression is in
+// place, so `kv0` and `f0` keep pristine copies that restore() puts back.
+struct bench_case {
+  shape s;
+  std::int32_t num_blocks = 0, max_blocks = 0;
+  std::size_t kv_elems = 0, q_elems = 0, f_elems = 0;
+  dbuf kv, kv0, q, f, f0, table, lengths, items;
+  dbuf status, new_lengths, released_counts, released_blocks, keep, final_scores;
+  dbuf temp;
+  kvp::paged_kv_view cache{};
+  kvp::query_window_view queries{};
+  kvp::score_view scores{};
+  kvp::device_batch batch{};
+  kvp::device_result result{};  // keep_masks null: the timed runs use the workspace's mask
+  cudaStream_t stream{};
+
+  bench_case(const shape& sh, cudaStream_t st, std::uint64_t seed = 1) : s(sh), stream(st) {
+    const std::int32_t T = s.tokens(), b = s.block_size;
+    max_blocks = s.n_max;
+    num_blocks = s.seqs * s.n_max + std::max(8, s.seqs);  // spare blocks owned by nobody
+    const std::size_t block_elems = std::size_t(b) * s.kv_heads * s.head_dim;
+    kv_elems = 2 * std::size_t(s.layers) * num_blocks * block_elems;
+    q_elems = std::size_t(s.layers) * s.seqs * s.window * s.q_heads * s.head_dim;
+    f_elems = std::size_t(s.layers) * num_blocks * b * s.kv_heads;
+
+    kv = dbuf(kv_elems * s.es());
+    kv0 = dbuf(kv_elems * s.es());
+    q = dbuf(q_elems * s.es());
+    f = dbuf(f_elems * sizeof(float));
+    f0 = dbuf(f_elems * sizeof(float));
+    fill_uniform(kv0.get(), kv_elems, s.type, seed, -1.0f, 1.0f, stream);
+    fill_uniform(q.get(), q_elems, s.type, seed + 1, -1.0f, 1.0f, stream);
+    // F: scores of an earlier compression, on the scale of attention probabilities.
+    fill_uniform(f0.get(), f_elems, kvp::dtype::f32, seed + 2, 0.0f, 2.0f / float(T), stream);
+
+    // Block table: a shuffled pool, N_max blocks per sequence.
+    std::mt19937 rng(static_cast<std::uint32_t>(seed));
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_blocks));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<std::int32_t> h_table(std::size_t(s.seqs) * max_blocks);
+    for (std::size_t i = 0; i < h_table.size(); ++i) h_table[i] = perm[i];
+    const std::vector<std::int32_t> h_lengths(static_cast<std::size_t>(s.seqs), T);
+    std::vector<kvp::batch_item> h_items(static_cast<std::size_t>(s.seqs));
+    for (std::int32_t i = 0; i < s.seqs; ++i) h_items[i] = {i, i, s.budget(), s.budget()};
+    table = upload(h_table);
+    lengths = upload(h_lengths);
+    items = upload(h_items);
+
+    status = dbuf(kvp::status_words * sizeof(std::int32_t));
+    new_lengths = dbuf(s.seqs * sizeof(std::int32_t));
+    released_counts = dbuf(s.seqs * sizeof(std::int32_t));
+    released_blocks = dbuf(std::size_t(s.seqs) * max_blocks * sizeof(std::int32_t));
+    keep = dbuf(std::size_t(s.rows()) * T);
+
+    const kvp::cache_shape cs{s.layers, num_blocks, b, s.kv_heads, s.head_dim, s.type};
+    const kvp::sequence_table seqs{kvp::block_table_view::dense(table.get<std::int32_t>(), max_blocks),
+                                   lengths.get<std::int32_t>(), s.seqs};
+    cache = kvp::layouts::nano_vllm(kv.get(), cs, seqs);
+    queries = kvp::query_window_view::contiguous(q.get(), s.layers, s.seqs, s.window, s.q_heads, s.head_dim, s.type);
+    scores = kvp::score_view::contiguous(f.get<float>(), num_blocks, b, s.kv_heads);
+    batch = {items.get<kvp::batch_item>(), s.seqs, T, 0, 0};
+    result = {status.get<std::int32_t>(), new_lengths.get<std::int32_t>(), released_counts.get<std::int32_t>(),
+              released_blocks.get<std::int32_t>(), nullptr, nullptr};
+    restore();
+    KVP_BENCH_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  template <class T>
+  dbuf upload(const std::vector<T>& v) {
+    dbuf d(v.size() * sizeof(T));
+    KVP_BENCH_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+
+  // Puts the pristine cache and F back (enqueued on the stream, never timed). F first:
+  // what stays in L2 afterwards is the tail of the cache tensor (V of the last layer),
+  // not F, which the compression reads.
+  void restore() {
+    KVP_BENCH_CHECK(cudaMemcpyAsync(f.get(), f0.get(), f.bytes(), cudaMemcpyDeviceToDevice, stream));
+    KVP_BENCH_CHECK(cudaMemcpyAsync(kv.get(), kv0.get(), kv.bytes(), cudaMemcpyDeviceToDevice, stream));
+  }
+
+  // Sizes and allocates the workspace for the timed runs (no keep-mask output).
+  template <class P>
+  void prepare(const P& p) {
+    kvp::cuda_executor ex;
+    ex.stream = stream;
+    std::size_t bytes = 0;
+    KVP_BENCH_CHECK(ex.compress(nullptr, bytes, p, cache, queries, scores, batch, result));
+    temp = dbuf(std::max<std::size_t>(bytes, 256));
+  }
+
+  template <class P>
+  cudaError_t compress(const P& p, cudaEvent_t* marks, bool with_keep = false) {
+    kvp::cuda_executor ex;
+    ex.stream = stream;
+    ex.stage_marks = marks;
+    kvp::device_result r = result;
+    if (with_keep) r.keep_masks = keep.get<std::uint8_t>();
+    std::size_t bytes = temp.bytes();
+    return ex.compress(temp.get(), bytes, p, cache, queries, scores, batch, r);
+  }
+
+  // One untimed compression with keep masks: checks the device status and counts the
+  // kept tokens whose slot changes (destination index != position). Restores after.
+  template <class P>
+  std::int64_t count_moved(const P& p) {
+    restore();
+    KVP_BENCH_CHECK(compress(p, nullptr, true));
+    std::array<std::int32_t, kvp::status_words> st{};
+    KVP_BENCH_CHECK(cudaMemcpyAsync(st.data(), status.get(), sizeof st, cudaMemcpyDeviceToHost, stream));
+    KVP_BENCH_CHECK(cudaStreamSynchronize(stream));
+    kvp::check(st.data());  // throws the kvp::error a failed device validation stands for
+    std::vector<std::uint8_t> h(keep.bytes());
+    KVP_BENCH_CHECK(cudaMemcpy(h.data(), keep.get(), h.size(), cudaMemcpyDeviceToHost));
+    const std::int32_t T = s.tokens();
+    std::int64_t moved = 0;
+    for (std::int64_t row = 0; row < s.rows(); ++row) {
+      std::int32_t kept = 0;
+      const std::uint8_t* m = h.data() + row * T;
+      for (std::int32_t t = 0; t < T; ++t) {
+        if (!m[t]) continue;
+        if (kept != t) ++moved;  // layout::compact: the i-th kept token goes to position i
+        ++kept;
+      }
+    }
+    restore();
+    KVP_BENCH_CHECK(cudaStreamSynchronize(stream));
+    return moved;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Byte models
+// ---------------------------------------------------------------------------
+
+template <class P>
+constexpr bool reads_keys() {
+  return kvp::AttentionScorer<typename P::scorer_type> || !std::same_as<typename P::redundancy_type, kvp::none>;
+}
+
+struct bytes_of {
+  double k = 0, q = 0, f = 0, moved = 0;
+  double total() const { return k + q + f + moved; }
+};
+
+// The end-to-end byte model (file comment).
+template <class P>
+bytes_of model_bytes(const P& p, const shape& s, std::int64_t moved_tokens) {
+  bytes_of m;
+  const double rows = double(s.rows()), T = s.tokens(), row_bytes = double(s.head_dim) * double(s.es());
+  if constexpr (reads_keys<P>()) m.k = rows * T * row_bytes;
+  if constexpr (kvp::AttentionScorer<typename P::scorer_type>)
+    m.q = double(s.layers) * s.seqs * kvp::scorer_window(p.scorer) * s.q_heads * row_bytes;
+  if constexpr (kvp::uses_score_cache<typename P::aggregate_type>()) m.f = rows * T * 8.0;
+  m.moved = double(moved_tokens) * 2.0 * 2.0 * row_bytes;
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// The timed loop
+// ---------------------------------------------------------------------------
+
+enum class row_kind { e2e, stage, redundancy };
+
+void set_rate(benchmark::State& state, const std::string& prefix, double bytes, double seconds) {
+  const double gbps = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
+  state.counters[prefix + "GB_per_s"] = gbps;
+  state.counters[prefix + "copy_fraction"] = g_copy_gbps > 0 ? gbps / g_copy_gbps : 0.0;
+}
+
+// Runs pipeline `p` on configuration `s`. The manual time of an iteration is the
+// whole compression (e2e, stage) or the redundancy stage alone (redundancy); the
+// cache is restored before each iteration, outside the timed region.
+template <class P>
+void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind) {
+  try {
+    s.window = std::max(s.window, kvp::scorer_window(p.scorer));
+    stream_guard stream;
+    bench_case bc(s, stream);
+    bc.prepare(p);
+    const std::int64_t moved = bc.count_moved(p);  // also the warm-up
+    const bytes_of model = model_bytes(p, s, moved);
+
+    event start, stop;
+    std::array<event, 5> mark_events;
+    std::array<cudaEvent_t, 5> marks{};
+    for (int i = 0; i < 5; ++i) marks[i] = mark_events[i];
+    const bool use_marks = kind != row_kind::e2e;
+
+    double e2e_s = 0.0;
+    std::array<double, 4> stage_s{};  // score, redundancy, epilogue, layout
+    for (auto _ : state) {
+      bc.restore();
+      KVP_BENCH_CHECK(cudaEventRecord(start, stream));
+      KVP_BENCH_CHECK(bc.compress(p, use_marks ? marks.data() : nullptr));
+      KVP_BENCH_CHECK(cudaEventRecord(stop, stream));
+      KVP_BENCH_CHECK(cudaEventSynchronize(stop));
+      const double e2e = elapsed_ms(start, stop) * 1e-3;
+      e2e_s += e2e;
+      double red = 0.0;
+      if (use_marks) {
+        for (int i = 0; i < 4; ++i) stage_s[i] += elapsed_ms(marks[i], marks[i + 1]) * 1e-3;
+        red = elapsed_ms(marks[1], marks[2]) * 1e-3;
+      }
+      state.SetIterationTime(kind == row_kind::redundancy ? red : e2e);
+    }
+    {  // the device status of the last timed run
+      std::array<std::int32_t, kvp::status_words> st{};
+      KVP_BENCH_CHECK(cudaMemcpy(st.data(), bc.status.get(), sizeof st, cudaMemcpyDeviceToHost));
+      kvp::check(st.data());
+    }
+
+    const auto iters = static_cast<double>(state.iterations());
+    const double e2e_mean = e2e_s / iters;
+    const double T = s.tokens(), rows = double(s.rows()), d = s.head_dim;
+    state.counters["tokens"] = T;
+    state.counters["seqs"] = s.seqs;
+    state.counters["rows"] = rows;
+    state.counters["budget"] = s.budget();
+    state.counters["moved_tokens"] = double(moved);
+    state.counters["e2e_ms"] = e2e_mean * 1e3;
+
+    if (kind != row_kind::redundancy) {
+      state.counters["bytes"] = model.total();
+      set_rate(state, "", model.total(), e2e_mean);
+      state.counters["ns_per_token"] = e2e_mean * 1e9 / (rows * T);
+    }
+    if (kind == row_kind::stage) {
+      static const char* names[4] = {"score", "redundancy", "epilogue", "layout"};
+      const double row_bytes = d * double(s.es()), cells = rows * T;
+      const double moved_kv = double(moved) * 2.0 * 2.0 * row_bytes;
+      const double f_moved = kvp::uses_score_cache<typename P::aggregate_type>() ? double(moved) * 8.0 : 0.0;
+      const std::array<double, 4> stage_bytes = {
+          model.k + model.q + cells * 4.0,                 // keys and queries in, scores out
+          model.k + cells * 4.0,                           // keys in, redundancy out
+          cells * 8.0 + model.f + cells * 1.0,             // scores + redundancy in, F in/out, mask out
+          cells * 1.0 + moved_kv + f_moved,                // mask in, moved K/V/F in/out
+      };
+      double staged = 0.0;
+      for (int i = 0; i < 4; ++i) {
+        const double mean = stage_s[i] / iters;
+        staged += mean;
+        const std::string n = names[i];
+        state.counters[n + "_ms"] = mean * 1e3;
+        state.counters[n + "_bytes"] = stage_bytes[i];
+        set_rate(state, n + "_", stage_bytes[i], mean);
+      }
+      // Before the first mark: the status reset (the score stage includes the device validation kernel).
+      state.counters["other_ms"] = (e2e_mean - staged) * 1e3;
+    }
+    if constexpr (!std::same_as<typename P::redundancy_type, kvp::none>) {
+      if (kind != row_kind::redundancy) return;
+      const double red_mean = stage_s[1] / iters;
+      state.counters["redundancy_ms"] = red_mean * 1e3;
+      state.counters["ns_per_token"] = red_mean * 1e9 / (rows * T);
+      state.counters["ns_per_token2"] = red_mean * 1e9 / (rows * T * T);
+      // Pairs compared: b per token within a block (lightning) or T per token (full).
+      const bool full = P::redundancy_type::pairs == kvp::redundancy::scope::full;
+      const double pairs = rows * T * (full ? T : double(s.block_size));
+      state.counters["pair_TFLOP_per_s"] = red_mean > 0 ? 2.0 * d * pairs / red_mean / 1e12 : 0.0;
+      state.counters["bytes"] = model.k + rows * T * 4.0;  // keys in, redundancy out
+      set_rate(state, "", model.k + rows * T * 4.0, red_mean);
+    }
+  } catch (const std::exception& e) {
+    ++g_failed_rows;
+    state.SkipWithError(e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Pipelines
+// ---------------------------------------------------------------------------
+
+// Zipage with all-pairs redundancy in place of lightning, every other parameter the same.
+struct zipage_full
+    : kvp::pipeline<kvp::scorer::window_attention,
+                    kvp::aggregate::then<kvp::aggregate::global_score, kvp::aggregate::pool>, kvp::redundancy::full,
+                    kvp::select::top_k, kvp::layout::compact> {
+  zipage_full() {
+    const kvp::presets::zipage z;
+    scorer = z.scorer;
+    aggregate = z.aggregate;
+    redundancy.theta = z.redundancy.theta;
+    redundancy.tau = z.redundancy.tau;
+    redundancy.lambda = z.redundancy.lambda;
+    redundancy.eps = z.redundancy.eps;
+    redundancy.form = z.redundancy.form;
+    select = z.select;
+    layout = z.layout;
+    protect = z.protect;
+  }
+};
+
+template <class P>
+void add_row(const std::string& name, const P& p, const shape& s, row_kind kind, int iterations) {
+  benchmark::RegisterBenchmark(name.c_str(), [p, s, kind](benchmark::State& st) { bench_pipeline(st, p, s, kind); })
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(iterations);
+}
+
+void register_all() {
+  // The copy roof first: every later row's copy_fraction divides by its best.
+  benchmark::RegisterBenchmark("copy", BM_copy)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(20);
+
+  const shape a = config_a();
+  // End to end, configuration A, each preset of the family. gkv and rkv compare all
+  // pairs of keys (O(T^2 d) per row): few iterations.
+  add_row("e2e/zipage/A", kvp::presets::zipage{}, a, row_kind::e2e, 30);
+  add_row("e2e/snapkv/A", kvp::presets::snapkv{}, a, row_kind::e2e, 30);
+  add_row("e2e/h2o/A", kvp::presets::h2o{}, a, row_kind::e2e, 30);
+  add_row("e2e/streaming_llm/A", kvp::presets::streaming_llm{}, a, row_kind::e2e, 30);
+  add_row("e2e/gkv/A", kvp::presets::gkv{}, a, row_kind::e2e, 3);
+  add_row("e2e/rkv/A", kvp::presets::rkv{}, a, row_kind::e2e, 3);
+
+  // Per stage, configuration A, zipage.
+  add_row("stage/zipage/A", kvp::presets::zipage{}, a, row_kind::stage, 30);
+
+  // Scaling in sequences (T 2304) and in tokens held (16 sequences).
+  for (int seqs : {1, 4, 16, 64}) {
+    shape s = a;
+    s.seqs = seqs;
+    add_row("scale_seqs/zipage/" + std::to_string(seqs), kvp::presets::zipage{}, s, row_kind::e2e, 20);
+  }
+  for (int n_max : {9, 18, 36}) {
+    shape s = a;
+    s.n_max = n_max;
+    add_row("scale_tokens/zipage/" + std::to_string(s.tokens()), kvp::presets::zipage{}, s, row_kind::e2e, 20);
+  }
+
+  // Lightning vs full redundancy as tokens grow: the redundancy stage alone. Full is
+  // quadratic, so it runs on 1 sequence and 1 layer (8 rows); lightning runs on the
+  // same shape, and on configuration A's 16 sequences x 8 layers (batched).
+  for (int n_max : {9, 18, 36, 72}) {
+    shape small = a;
+    small.seqs = 1;
+    small.layers = 1;
+    small.n_max = n_max;
+    const std::string T = std::to_string(small.tokens());
+    add_row("redundancy/lightning/" + T, kvp::presets::zipage{}, small, row_kind::redundancy, 20);
+    add_row("redundancy/full/" + T, zipage_full{}, small, row_kind::redundancy, n_max >= 36 ? 2 : 3);
+    shape batched = a;
+    batched.n_max = n_max;
+    add_row("redundancy/lightning_batched/" + T, kvp::presets::zipage{}, batched, row_kind::redundancy,
+            n_max >= 36 ? 5 : 10);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  try {
+    int device = 0;
+    KVP_BENCH_CHECK(cudaGetDevice(&device));
+    cudaDeviceProp prop{};
+    KVP_BENCH_CHECK(cudaGetDeviceProperties(&prop, device));
+    benchmark::AddCustomContext("gpu", prop.name);
+    benchmark::AddCustomContext("gpu_sm_count", std::to_string(prop.multiProcessorCount));
+    benchmark::AddCustomContext("gpu_memory_GiB", std::to_string(double(prop.totalGlobalMem) / double(1ull << 30)));
+    int runtime = 0, driver = 0;
+    cudaRuntimeGetVersion(&runtime);
+    cudaDriverGetVersion(&driver);
+    benchmark::AddCustomContext("cuda_runtime", std::to_string(runtime));
+    benchmark::AddCustomContext("cuda_driver", std::to_string(driver));
+    // The copy roof, once before any row, so every copy_fraction has it.
+    g_copy_gbps = measure_copy(10);
+    benchmark::AddCustomContext("copy_GB_per_s_startup", std::to_string(g_copy_gbps));
+    std::fprintf(stderr, "kvpolicy_bench: %s, device copy %.1f GB/s (read + write)\n", prop.name, g_copy_gbps);
+  } catch (const std::exception& e) {
+    // No usable GPU: rows still register (--benchmark_list_tests works) and each
+    // reports the error instead of a time.
+    std::fprintf(stderr, "kvpolicy_bench: %s\n", e.what());
+  }
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  if (g_failed_rows > 0) std::fprintf(stderr, "kvpolicy_bench: %d row(s) failed\n", g_failed_rows);
+  return g_failed_rows > 0 ? 1 : 0;
+}

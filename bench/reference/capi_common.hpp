@@ -1,0 +1,109 @@
+// What both kvp_capi libraries share: the views a kvp_capi_shape describes, the
+// result words inside the caller's workspace, and the error guard.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "kvpolicy/kvpolicy.hpp"  // first: error.hpp sets FMT_USE_CONSTEXPR before fmt is seen
+#include "kvpolicy/exec/device_status.hpp"
+
+#include "kvp_capi.h"
+
+namespace kvp_capi {
+
+static_assert(sizeof(kvp::batch_item) == 4 * sizeof(std::int32_t), "batch items are int32 quadruples");
+static_assert(static_cast<int>(kvp::dtype::f16) == 0 && static_cast<int>(kvp::dtype::bf16) == 1 &&
+              static_cast<int>(kvp::dtype::f32) == 2, "dtype codes are kvp::dtype's values");
+
+inline thread_local std::string last_error;
+
+inline std::size_t round_up(std::size_t x) { return (x + 255) / 256 * 256; }
+
+// The result arrays, at the start of the caller's workspace; the executor's own
+// workspace (CUDA) follows at `executor`.
+struct ws_layout {
+  std::size_t status = 0, new_lengths = 0, released_counts = 0, released_blocks = 0, executor = 0;
+};
+
+inline ws_layout layout_of(const kvp_capi_shape& s) {
+  const std::size_t blocks = s.block_size > 0 ? std::size_t((s.max_tokens + s.block_size - 1) / s.block_size) : 0;
+  ws_layout w;
+  std::size_t at = 0;
+  w.status = at;
+  at += round_up(kvp::status_words * sizeof(std::int32_t));
+  w.new_lengths = at;
+  at += round_up(std::size_t(s.num_items) * sizeof(std::int32_t));
+  w.released_counts = at;
+  at += round_up(std::size_t(s.num_items) * sizeof(std::int32_t));
+  w.released_blocks = at;
+  at += round_up(std::size_t(s.num_items) * blocks * sizeof(std::int32_t));
+  w.executor = at;
+  return w;
+}
+
+template <class T>
+T* at(void* ws, std::size_t offset) {
+  return reinterpret_cast<T*>(static_cast<std::byte*>(ws) + offset);
+}
+template <class T>
+const T* at(const void* ws, std::size_t offset) {
+  return reinterpret_cast<const T*>(static_cast<const std::byte*>(ws) + offset);
+}
+
+struct views {
+  kvp::paged_kv_view cache;
+  kvp::query_window_view queries;
+  kvp::score_view scores;
+};
+
+inline views make_views(const kvp_capi_shape& s, void* kv, const void* q, float* f, const std::int32_t* table,
+                        const std::int32_t* lengths) {
+  kvp::require(s.dtype >= 0 && s.dtype <= 2, "shape.dtype", "is {}; 0 f16, 1 bf16, 2 f32", s.dtype);
+  kvp::require(s.num_items >= 0, "shape.num_items", "is {}; must not be negative", s.num_items);
+  const auto type = static_cast<kvp::dtype>(s.dtype);
+  const kvp::cache_shape cs{s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, type};
+  const kvp::sequence_table seqs{kvp::block_table_view::dense(table, s.max_blocks_per_seq), lengths, s.num_seqs};
+  views v;
+  v.cache = kvp::layouts::nano_vllm(kv, cs, seqs);
+  v.queries = kvp::query_window_view::contiguous(q, s.num_layers, s.query_slots, s.query_window, s.num_q_heads,
+                                                 s.head_dim, type);
+  v.scores = kvp::score_view::contiguous(f, s.num_blocks, s.block_size, s.num_kv_heads);
+  return v;
+}
+
+// Calls fn(preset) with the policy the shape names.
+template <class Fn>
+auto with_policy(const kvp_capi_shape& s, Fn&& fn) {
+  kvp::require(s.policy == KVP_CAPI_ZIPAGE || s.policy == KVP_CAPI_SNAPKV, "shape.policy", "is {}; 0 zipage, 1 snapkv",
+               s.policy);
+  if (s.policy == KVP_CAPI_SNAPKV) return fn(kvp::presets::snapkv{});
+  return fn(kvp::presets::zipage{});
+}
+
+// Runs fn (returning 0 or an error code) and turns exceptions into codes + last_error.
+template <class Fn>
+int guarded(Fn&& fn) {
+  try {
+    const int rc = fn();
+    if (rc == KVP_CAPI_OK) last_error.clear();
+    return rc;
+  } catch (const kvp::error& e) {
+    last_error = e.what();
+    return KVP_CAPI_EINVAL;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return KVP_CAPI_EOTHER;
+  } catch (...) {
+    last_error = "unknown exception";
+    return KVP_CAPI_EOTHER;
+  }
+}
+
+// A stand-in for pointers when only sizes are asked: the shape checks test them for
+// null and alignment but never read through them.
+inline void* dummy() { return reinterpret_cast<void*>(std::uintptr_t{1} << 12); }
+
+}  // namespace kvp_capi

@@ -1,0 +1,78 @@
+/* kvp_capi: a C face of kvpolicy's executors, for ctypes (zipage_reference.py).
+ *
+ * Two libraries export it:
+ *   libkvp_capi.so       (kvp_capi.cu)       kvp::cuda_executor, device pointers, asynchronous on a stream
+ *   libkvp_capi_host.so  (kvp_capi_host.cpp) kvp::host_executor, host pointers, synchronous (the stream is ignored)
+ *
+ * Layouts (nano-vllm): cache `[2, L, num_blocks, b, h_kv, d]`, queries
+ * `[L, query_slots, query_window, h_q, d]` (each slot's newest queries last), F
+ * `[L, num_blocks, b, h_kv]` fp32, block table int32 `[num_seqs, max_blocks_per_seq]`,
+ * lengths int32 `[num_seqs]`, batch items int32 quadruples `[num_items, 4]` = (seq,
+ * query slot, budget, history tokens). Optional outputs: keep masks uint8 and final
+ * scores fp32 (after protect), both `[num_items, layers of the batch, h_kv, max_tokens]`.
+ *
+ * The caller's workspace holds the result words (status, new lengths, released
+ * blocks) and the executor's own workspace; kvp_capi_workspace_size sizes it.
+ *
+ * Return codes: 0 success, 1 a kvp::error (malformed input, or a failed device
+ * validation reported by kvp_capi_status), 2 a CUDA error, 3 anything else;
+ * kvp_capi_last_error() gives the message of the calling thread's last failure.
+ */
+#ifndef KVPOLICY_BENCH_KVP_CAPI_H
+#define KVPOLICY_BENCH_KVP_CAPI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define KVP_CAPI_EXPORT __attribute__((visibility("default")))
+#else
+#define KVP_CAPI_EXPORT
+#endif
+
+enum { KVP_CAPI_OK = 0, KVP_CAPI_EINVAL = 1, KVP_CAPI_ECUDA = 2, KVP_CAPI_EOTHER = 3 };
+enum { KVP_CAPI_ZIPAGE = 0, KVP_CAPI_SNAPKV = 1 };
+
+/* Must match `class KvpShape(ctypes.Structure)` in zipage_reference.py, field for field. */
+typedef struct kvp_capi_shape {
+  int32_t num_layers, num_blocks, block_size, num_kv_heads, num_q_heads, head_dim;
+  int32_t num_seqs, max_blocks_per_seq; /* block table [num_seqs, max_blocks_per_seq] */
+  int32_t query_slots, query_window;    /* queries [num_layers, query_slots, query_window, h_q, d] */
+  int32_t num_items, max_tokens;        /* batch; max_tokens >= every batch sequence's length */
+  int32_t layer_begin, layer_count;     /* layers [layer_begin, layer_begin + layer_count); 0 = to the end */
+  int32_t dtype;                        /* 0 f16, 1 bf16, 2 f32 (kvp::dtype) */
+  int32_t policy;                       /* KVP_CAPI_ZIPAGE or KVP_CAPI_SNAPKV */
+} kvp_capi_shape;
+
+KVP_CAPI_EXPORT int kvp_capi_shape_size(void);
+
+/* Workspace bytes kvp_capi_compress needs for this shape. */
+KVP_CAPI_EXPORT int kvp_capi_workspace_size(const kvp_capi_shape* s, size_t* bytes);
+
+/* One compression, in place: kept K, V and F move; new lengths in the workspace.
+ * `stream` is a cudaStream_t as an integer (0: the legacy default stream). */
+KVP_CAPI_EXPORT int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                                      const int32_t* block_table, const int32_t* lengths, const int32_t* items,
+                                      void* workspace, size_t workspace_bytes, uint8_t* keep_masks,
+                                      float* final_scores, uintptr_t stream);
+
+/* Synchronises `stream`, copies the 6 status words to host_words (may be null);
+ * returns KVP_CAPI_EINVAL with the message when the compression was rejected. */
+KVP_CAPI_EXPORT int kvp_capi_status(const kvp_capi_shape* s, const void* workspace, int32_t* host_words,
+                                    uintptr_t stream);
+
+/* Copies the new lengths (int32 [num_items]) to host memory, synchronising `stream`. */
+KVP_CAPI_EXPORT int kvp_capi_new_lengths(const kvp_capi_shape* s, const void* workspace, int32_t* host_out,
+                                         uintptr_t stream);
+
+KVP_CAPI_EXPORT const char* kvp_capi_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVPOLICY_BENCH_KVP_CAPI_H */

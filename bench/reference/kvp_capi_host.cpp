@@ -1,0 +1,89 @@
+// libkvp_capi_host.so: the C API of kvp_capi.h over kvp::host_executor, on host
+// pointers, synchronous (the stream argument is ignored). It lets
+// zipage_reference.py --device cpu check the PyTorch reference against the
+// library's semantics on a machine without a GPU.
+#include "capi_common.hpp"  // first: kvpolicy's error.hpp sets FMT_USE_CONSTEXPR before fmt is seen
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <vector>
+
+namespace {
+
+using namespace kvp_capi;
+
+}  // namespace
+
+extern "C" {
+
+int kvp_capi_shape_size(void) { return static_cast<int>(sizeof(kvp_capi_shape)); }
+
+int kvp_capi_workspace_size(const kvp_capi_shape* s, std::size_t* bytes) {
+  return guarded([&]() -> int {
+    kvp::require(s != nullptr && bytes != nullptr, "kvp_capi_workspace_size", "null argument");
+    *bytes = layout_of(*s).executor;  // the host executor allocates its own scratch
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                      const std::int32_t* block_table, const std::int32_t* lengths, const std::int32_t* items,
+                      void* workspace, std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
+                      std::uintptr_t /*stream*/) {
+  return guarded([&]() -> int {
+    kvp::require(s != nullptr, "shape", "is a null pointer");
+    kvp::require(workspace != nullptr, "workspace", "is a null pointer");
+    const ws_layout w = layout_of(*s);
+    kvp::require(workspace_bytes >= w.executor, "workspace_bytes", "is {}; kvp_capi_workspace_size says {}",
+                 workspace_bytes, w.executor);
+    kvp::require(items != nullptr || s->num_items == 0, "items", "is a null pointer");
+    const views v = make_views(*s, kv_cache, queries, f, block_table, lengths);
+    const std::span<const kvp::batch_item> span(reinterpret_cast<const kvp::batch_item*>(items),
+                                                static_cast<std::size_t>(s->num_items));
+    auto* status = at<std::int32_t>(workspace, w.status);
+    std::fill_n(status, kvp::status_words, 0);
+    const kvp::host_executor hx{.record_keep_masks = keep_masks != nullptr, .record_scores = final_scores != nullptr};
+    const kvp::host_result r = with_policy(*s, [&](const auto& p) {
+      return hx.compress(p, v.cache, v.queries, v.scores, kvp::compression_batch{span, s->layer_begin, s->layer_count});
+    });
+    const std::int32_t layers = s->layer_count > 0 ? s->layer_count : s->num_layers - s->layer_begin;
+    const std::size_t rows = std::size_t(layers) * s->num_kv_heads, pitch = std::size_t(s->max_tokens);
+    const std::int32_t blocks = (s->max_tokens + s->block_size - 1) / s->block_size;
+    for (std::int32_t i = 0; i < s->num_items; ++i) {
+      at<std::int32_t>(workspace, w.new_lengths)[i] = r.new_lengths[i];
+      at<std::int32_t>(workspace, w.released_counts)[i] = static_cast<std::int32_t>(r.released_blocks[i].size());
+      std::copy(r.released_blocks[i].begin(), r.released_blocks[i].end(),
+                at<std::int32_t>(workspace, w.released_blocks) + std::size_t(i) * blocks);
+      const std::size_t T = static_cast<std::size_t>(lengths[span[i].seq]);
+      for (std::size_t row = 0; row < rows; ++row) {
+        const std::size_t out = (std::size_t(i) * rows + row) * pitch;
+        if (keep_masks) std::copy_n(r.keep_masks[i].begin() + row * T, T, keep_masks + out);
+        if (final_scores) std::copy_n(r.scores[i].begin() + row * T, T, final_scores + out);
+      }
+    }
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_status(const kvp_capi_shape* s, const void* workspace, std::int32_t* host_words, std::uintptr_t) {
+  return guarded([&]() -> int {
+    kvp::require(s != nullptr && workspace != nullptr, "kvp_capi_status", "null argument");
+    const std::int32_t* words = at<std::int32_t>(workspace, layout_of(*s).status);
+    if (host_words) std::copy_n(words, kvp::status_words, host_words);
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_new_lengths(const kvp_capi_shape* s, const void* workspace, std::int32_t* host_out, std::uintptr_t) {
+  return guarded([&]() -> int {
+    kvp::require(s != nullptr && workspace != nullptr && host_out != nullptr, "kvp_capi_new_lengths",
+                 "null argument");
+    std::copy_n(at<std::int32_t>(workspace, layout_of(*s).new_lengths), s->num_items, host_out);
+    return KVP_CAPI_OK;
+  });
+}
+
+const char* kvp_capi_last_error(void) { return last_error.c_str(); }
+
+}  // extern "C"

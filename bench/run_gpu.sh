@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# kvpolicy benchmarks on the GPU machine: configure, build, run kvpolicy_bench and the
+# PyTorch reference, everything logged to $OUT.
+#
+#   OUT=/path/to/out bash bench/run_gpu.sh [--quick]
+#
+# Run from the repository root. Uses fmt and Google Benchmark unpacked under
+# .deps/root/usr (Debian's libfmt-dev / libbenchmark-dev) when present.
+#   --quick   only the copy, e2e/zipage/A, stage/zipage/A, scale_tokens/zipage/2304 and
+#             redundancy/*/2304 rows, and the reference at T = 2304 only
+# Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90).
+# Writes: bench.json, reference.json (bf16), reference_fp32.json (fp32 mask check),
+#         configure.log, build.log, bench.log, reference*.log, run.log, nvidia-smi.txt
+set -uo pipefail
+
+QUICK=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=1 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "run_gpu.sh: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+: "${OUT:?set OUT to the output directory}"
+mkdir -p "$OUT"
+
+ROOT=$(pwd)
+if [[ ! -f "$ROOT/bench/compress_bench.cu" ]]; then
+  echo "run_gpu.sh: run from the repository root" >&2
+  exit 2
+fi
+BUILD=${BUILD_DIR:-$ROOT/build}
+JOBS=${JOBS:-16}
+ARCH=${CUDA_ARCH:-90}
+DEPS=$ROOT/.deps/root/usr
+PREFIX_ARGS=()
+if [[ -d "$DEPS" ]]; then
+  PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$DEPS")
+  export LD_LIBRARY_PATH="$DEPS/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+export PYTHONUNBUFFERED=1
+
+FAILED=()
+log() { echo "[run_gpu $(date +%H:%M:%S)] $*" | tee -a "$OUT/run.log"; }
+# step NAME LOGFILE CMD...: runs CMD, tees its output to $OUT/LOGFILE, records a failure.
+step() {
+  local name=$1 logfile=$2
+  shift 2
+  log "$name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$logfile"
+  local rc=${PIPESTATUS[0]}
+  log "$name: exit $rc after $((SECONDS - t0)) s"
+  [[ $rc -eq 0 ]] || FAILED+=("$name")
+  return "$rc"
+}
+
+START=$SECONDS
+log "repo $ROOT, build $BUILD, out $OUT, quick $QUICK"
+{ nvidia-smi; nvcc --version; cmake --version; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
+  > "$OUT/nvidia-smi.txt" 2>&1 || true
+
+step configure configure.log cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+  -DKVPOLICY_BUILD_BENCHMARKS=ON -DKVPOLICY_BUILD_TESTS=OFF -DKVPOLICY_BUILD_EXAMPLES=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" || { log "configure failed"; exit 1; }
+step build build.log cmake --build "$BUILD" -j"$JOBS" --target kvpolicy_bench kvp_capi || { log "build failed"; exit 1; }
+
+BENCH=$(find "$BUILD" -type f -name kvpolicy_bench -perm -u+x | head -n 1)
+CAPI=$(find "$BUILD" -type f -name libkvp_capi.so | head -n 1)
+
+# Google Benchmark: every row has explicit iterations (gkv/rkv and full redundancy few).
+BENCH_ARGS=(--benchmark_out="$OUT/bench.json" --benchmark_out_format=json --benchmark_counters_tabular=true)
+if [[ $QUICK -eq 1 ]]; then
+  BENCH_ARGS+=(--benchmark_filter='^(copy|e2e/zipage/A|stage/zipage/A|scale_tokens/zipage/2304|redundancy/(lightning|full)/2304)/')
+fi
+if [[ -n "$BENCH" ]]; then
+  step bench bench.log "$BENCH" "${BENCH_ARGS[@]}"
+else
+  log "kvpolicy_bench not found under $BUILD"; FAILED+=(bench)
+fi
+
+# The PyTorch reference: fp32 (the mask check; timed too), then bf16 (the timing).
+REF=(python3 "$ROOT/bench/reference/zipage_reference.py" --lib "$CAPI")
+if [[ -n "$CAPI" ]]; then
+  step reference_fp32 reference_fp32.log "${REF[@]}" --dtype float32 --nmax 9 --iters 10 \
+    --out "$OUT/reference_fp32.json"
+  if [[ $QUICK -eq 1 ]]; then
+    step reference_bf16 reference.log "${REF[@]}" --dtype bfloat16 --nmax 9 --iters 10 --out "$OUT/reference.json"
+  else
+    step reference_bf16 reference.log "${REF[@]}" --dtype bfloat16 --nmax 9,18,36 --iters 10 \
+      --out "$OUT/reference.json"
+  fi
+else
+  log "libkvp_capi.so not found under $BUILD"; FAILED+=(reference)
+fi
+
+log "done in $((SECONDS - START)) s; failed: ${FAILED[*]:-none}"
+[[ ${#FAILED[@]} -eq 0 ]]
