@@ -44,19 +44,24 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
   auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
   float* newest_c = reinterpret_cast<float*>(newest + rows);
 
-  copy_rows_async(keys, rows, count, d, pitch,
-                  [&](std::int32_t r) -> const std::byte* { return cache.k_row(rc.layer, it.seq, pos0 + r, rc.head); });
+  copy_key_rows_async(keys, rows, count, pitch, cache, rc.layer, it.seq, rc.head, pos0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  for (std::int32_t r = warp; r < count; r += warps) {
-    float ss = 0.0f;
-    for (std::int32_t i = lane; i < d; i += 32) {
-      const float x = load_as_float(keys + std::size_t(r) * pitch, Elem, i);
-      ss = fmaf(x, x, ss);
+  {
+    // Inverse norms: a group of lanes per key, 16-byte loads, a butterfly in the group.
+    const std::int32_t group = lanes_per_row(d), g_lane = static_cast<std::int32_t>(threadIdx.x) % group;
+    for (std::int32_t r = static_cast<std::int32_t>(threadIdx.x) / group; r < rows; r += blockDim.x / group) {
+      float ss = 0.0f;
+      for (std::int32_t v = g_lane; v < d / 8; v += group) {
+        float x[8];
+        widen8<Elem>(*reinterpret_cast<const uint4*>(keys + std::size_t(r) * pitch + v * 8), x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
+      }
+      for (std::int32_t o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (g_lane == 0 && r < count) inv[r] = 1.0f / (sqrtf(ss) + p.redundancy.eps);
     }
-    ss = warp_sum(ss);
-    if (lane == 0) inv[r] = 1.0f / (sqrtf(ss) + p.redundancy.eps);
   }
   __syncthreads();
 

@@ -6,6 +6,8 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/exec/cuda/load.cuh"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -50,17 +52,66 @@ __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Lanes that share one row of d 16-bit elements (d / 8 chunks of 16 bytes): the
+// whole warp for long rows, else one lane per chunk. The tensor-core path requires
+// d / 8 to be a power of two or a multiple of 32, so groups never straddle a warp.
+__device__ inline std::int32_t lanes_per_row(std::int32_t d) { return d / 8 < 32 ? d / 8 : 32; }
+
+KVP_HOST_DEVICE constexpr bool row_groups_fit(std::int32_t d) {
+  const std::int32_t vecs = d / 8;
+  return d % 16 == 0 && (vecs >= 32 ? vecs % 32 == 0 : (vecs & (vecs - 1)) == 0);
+}
+
 // Loads `count` rows of d 16-bit elements (row r from row_of(r)) into shared memory
-// with pitch `pitch` elements, rows [count, rows) zero-filled, asynchronously.
+// with pitch `pitch` elements, rows [count, rows) zero-filled, asynchronously. A
+// group of lanes takes a row, so each row's address (block table lookup) is
+// computed once per group, not once per chunk.
 template <class RowOf>
 __device__ inline void copy_rows_async(std::uint16_t* dst, std::int32_t rows, std::int32_t count, std::int32_t d,
                                        std::int32_t pitch, RowOf row_of) {
-  const std::int32_t vecs = d / 8;
-  for (std::int32_t e = threadIdx.x; e < rows * vecs; e += blockDim.x) {
-    const std::int32_t r = e / vecs, v = e % vecs;
+  const std::int32_t vecs = d / 8, group = lanes_per_row(d);
+  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % group;
+  const std::int32_t step = static_cast<std::int32_t>(blockDim.x) / group;
+  for (std::int32_t r = static_cast<std::int32_t>(threadIdx.x) / group; r < rows; r += step) {
     const bool real = r < count;
-    const std::byte* src = row_of(real ? r : 0) + std::size_t(v) * 16;
-    cp_async_16(dst + std::size_t(r) * pitch + v * 8, src, real ? 16 : 0);
+    const std::byte* src = row_of(real ? r : 0);
+    for (std::int32_t v = lane; v < vecs; v += group)
+      cp_async_16(dst + std::size_t(r) * pitch + v * 8, src + std::size_t(v) * 16, real ? 16 : 0);
+  }
+}
+
+// copy_rows_async for the keys [pos0, pos0 + count) of one (layer, seq, head) row of
+// a paged cache: when the tile lies in one cache block (the usual case: block sizes
+// are multiples of the tile), every row is the block's first row plus a stride, so
+// the block table is read once per thread instead of once per row.
+__device__ inline void copy_key_rows_async(std::uint16_t* dst, std::int32_t rows, std::int32_t count,
+                                           std::int32_t pitch, const paged_kv_view& cache, std::int32_t layer,
+                                           std::int32_t seq, std::int32_t head, std::int32_t pos0) {
+  const std::int32_t b = cache.block_size, d = cache.head_dim;
+  if (pos0 % b + rows <= b) {
+    const std::byte* first = cache.k_row(layer, seq, pos0, head);
+    const std::int64_t stride = cache.k_stride.token * size_of(cache.type);
+    copy_rows_async(dst, rows, count, d, pitch, [&](std::int32_t r) { return first + r * stride; });
+  } else {
+    copy_rows_async(dst, rows, count, d, pitch,
+                    [&](std::int32_t r) -> const std::byte* { return cache.k_row(layer, seq, pos0 + r, head); });
+  }
+}
+
+// Eight 16-bit elements of type T widened to fp32.
+template <dtype T>
+__device__ inline void widen8(const uint4& raw, float (&x)[8]) {
+  const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f;
+    if constexpr (T == dtype::bf16) {
+      f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    } else {
+      f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    }
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
   }
 }
 

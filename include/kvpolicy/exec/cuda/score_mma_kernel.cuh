@@ -19,13 +19,24 @@ namespace cuda {
 inline constexpr int mma_key_tile = 64;
 
 KVP_HOST_DEVICE constexpr std::int32_t round16(std::int32_t x) { return (x + 15) / 16 * 16; }
+// Four threads per statistics row; the loop bound keeps every quad whole.
+KVP_HOST_DEVICE constexpr std::int32_t round_up4(std::int32_t rows) { return (rows * 4 + 255) / 256 * 256; }
+
+// Row pitch of the logit tile, in floats: 72 = 8 mod 32 banks, so the fragment
+// stores of a half-warp (8 rows x 4 column pairs) and a warp's reads of 32
+// consecutive keys are both free of bank conflicts.
+inline constexpr int logit_pitch = mma_key_tile + 8;
+// Threads that split the window of one key in the score phase.
+inline constexpr int window_splits = row_threads / mma_key_tile;
 
 // Shared memory, in bytes: queries [round16(w G)][d + 8] and two key tiles
 // [64][d + 8] of 16-bit elements (the 8-element pad puts the 8 rows of an ldmatrix
-// on distinct banks), the tile's logits [round16(w G)][68] and the softmax statistics.
+// on distinct banks), the tile's logits [round16(w G)][72], per query the softmax
+// statistics (max, sum) and those of the tile's two halves, and the window partials.
 KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, std::int32_t G, std::int32_t d) {
   const std::size_t rows = static_cast<std::size_t>(round16(w * G)), pitch = std::size_t(d) + 8;
-  return (rows + 2 * mma_key_tile) * pitch * 2 + rows * (mma_key_tile + 4) * 4 + 2 * std::size_t(w) * G * 4;
+  return (rows + 2 * mma_key_tile) * pitch * 2 + rows * logit_pitch * 4 + 3 * rows * 8 +
+         window_splits * mma_key_tile * 4;
 }
 
 template <AttentionScorer S, dtype Elem>
@@ -38,11 +49,11 @@ __global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, p
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = s.key_end(T);
   const std::int32_t d = cache.head_dim, w = s.window, G = q.num_q_heads / cache.num_kv_heads;
-  const std::int32_t QW = w * G, rows = round16(QW), pitch = d + 8, zp = mma_key_tile + 4;
+  const std::int32_t QW = w * G, rows = round16(QW), pitch = d + 8, zp = logit_pitch;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const bool by_logits = s.group == group_reduce::max_logits;
   const float ninf = -__builtin_huge_valf();
-  const float scale = 1.0f / sqrtf(static_cast<float>(d));
+  const float scale = 1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f;
 
   auto* qs = reinterpret_cast<std::uint16_t*>(smem16);
   // Two key tiles; buffer i starts at kbase + i * tile_elems (no array: a run-time
@@ -50,8 +61,10 @@ __global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, p
   std::uint16_t* kbase = qs + std::size_t(rows) * pitch;
   const std::size_t tile_elems = std::size_t(mma_key_tile) * pitch;
   auto* zs = reinterpret_cast<float*>(kbase + 2 * tile_elems);
-  float* stat_m = zs + std::size_t(rows) * zp;
-  float* stat_l = stat_m + QW;
+  // Logits are kept in log2 units (z * log2 e) so that exp is one exp2.
+  auto* stat = reinterpret_cast<float2*>(zs + std::size_t(rows) * zp);
+  float2* half_stat = stat + rows;  // [rows][2]: (max, sum) of each 32-key half of the tile
+  auto* part = reinterpret_cast<float*>(half_stat + 2 * rows);  // [window_splits][64]
 
   for (std::int32_t e = threadIdx.x; e < rows * (d / 8); e += blockDim.x) {
     const std::int32_t r = e / (d / 8), v = e % (d / 8);
@@ -60,38 +73,19 @@ __global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, p
       val = reinterpret_cast<const uint4*>(q.row(rc.layer, it.query_slot, q.window - w + r / G, rc.head * G + r % G))[v];
     *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
   }
-  for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) {
-    stat_m[i] = ninf;
-    stat_l[i] = 0.0f;
-  }
-  auto key_row = [&](std::int32_t tile) {
-    return [&, tile](std::int32_t r) -> const std::byte* { return cache.k_row(rc.layer, it.seq, tile + r, rc.head); };
-  };
-  // Online softmax statistics of one row of values, two per lane (keys lane, lane + 32).
-  auto accumulate_stats = [&](std::int32_t i, float z0, float z1) {
-    const float m_old = stat_m[i];
-    const float m_new = fmaxf(m_old, warp_max(fmaxf(z0, z1)));
-    if (m_new == ninf) return;
-    const float e = warp_sum((z0 == ninf ? 0.0f : expf(z0 - m_new)) + (z1 == ninf ? 0.0f : expf(z1 - m_new)));
-    __syncwarp();
-    if (lane == 0) {
-      stat_l[i] = stat_l[i] * expf(m_old - m_new) + e;
-      stat_m[i] = m_new;
-    }
-    __syncwarp();
-  };
-
+  for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i] = {ninf, 0.0f};
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
-      for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat_l[i] = 1.0f / stat_l[i];
-    copy_rows_async(kbase, mma_key_tile, min(mma_key_tile, n), d, pitch, key_row(0));
+      for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i].y = 1.0f / stat[i].y;
+    copy_key_rows_async(kbase, mma_key_tile, min(mma_key_tile, n), pitch, cache, rc.layer, it.seq, rc.head, 0);
     cp_async_commit();
     int buf = 0;
     for (std::int32_t tile = 0; tile < n; tile += mma_key_tile, buf ^= 1) {
       const std::int32_t next = tile + mma_key_tile;
       if (next < n) {
-        copy_rows_async(kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), d, pitch, key_row(next));
+        copy_key_rows_async(kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), pitch, cache,
+                            rc.layer, it.seq, rc.head, next);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -119,63 +113,115 @@ __global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, p
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + qi / G;
-          float* zrow = zs + std::size_t(qi) * zp;
+          float z[8];
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
-            const std::int32_t key = n0 + nt * 8 + (lane % 4) * 2, t = tile + key;
-            float2 z;
-            z.x = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] * scale : ninf;
-            z.y = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] * scale : ninf;
-            *reinterpret_cast<float2*>(zrow + key) = z;
+            const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
+            z[2 * nt] = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] * scale : ninf;
+            z[2 * nt + 1] = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] * scale : ninf;
+          }
+          if (pass == 0 && !by_logits) {
+            // Statistics straight from the fragments: the quad holds the row's 32 keys.
+            float m = ninf;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) m = fmaxf(m, z[k]);
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            float e = 0.0f;
+            if (m != ninf) {
+#pragma unroll
+              for (int k = 0; k < 8; ++k) e += z[k] == ninf ? 0.0f : exp2f(z[k] - m);
+            }
+            e += __shfl_xor_sync(0xffffffffu, e, 1);
+            e += __shfl_xor_sync(0xffffffffu, e, 2);
+            if (lane % 4 == 0) half_stat[2 * qi + piece % 2] = {m, e};
+          } else {
+            float* zrow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(zrow + nt * 8) = {z[2 * nt], z[2 * nt + 1]};
           }
         }
       }
       __syncthreads();
 
-      if (pass == 0) {
-        // Statistics per query (or per window position, of the group's max logit).
-        const std::int32_t stat_rows = by_logits ? w : QW;
-        for (std::int32_t i = warp; i < stat_rows; i += warps) {
-          float z0 = ninf, z1 = ninf;
-          if (by_logits) {
+      if (pass == 0 && !by_logits) {
+        // Fold the two halves into the running statistics.
+        for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) {
+          const float2 old = stat[i], a = half_stat[2 * i], b = half_stat[2 * i + 1];
+          const float m_new = fmaxf(old.x, fmaxf(a.x, b.x));
+          if (m_new == ninf) continue;
+          const auto scaled = [&](float2 st) { return st.x == ninf ? 0.0f : st.y * exp2f(st.x - m_new); };
+          stat[i] = {m_new, (scaled(old) + scaled(a)) + scaled(b)};
+        }
+      } else if (pass == 0) {
+        // Statistics per window position, of the group's max logit: four adjacent
+        // threads take 16 keys each of one row, then fold in the quad.
+        const std::int32_t stat_rows = w;
+        for (std::int32_t idx = threadIdx.x; idx < round_up4(stat_rows) ; idx += blockDim.x) {
+          const std::int32_t i = idx / 4, k0 = (idx % 4) * 16;
+          float z[16];
+#pragma unroll
+          for (int k = 0; k < 16; ++k) z[k] = ninf;
+          if (i < stat_rows) {
             for (std::int32_t g = 0; g < G; ++g) {
-              z0 = fmaxf(z0, zs[std::size_t(i * G + g) * zp + lane]);
-              z1 = fmaxf(z1, zs[std::size_t(i * G + g) * zp + lane + 32]);
+              const float* zr = zs + std::size_t(i * G + g) * zp + k0;
+#pragma unroll
+              for (int k = 0; k < 16; ++k) z[k] = fmaxf(z[k], zr[k]);
             }
-          } else {
-            z0 = zs[std::size_t(i) * zp + lane];
-            z1 = zs[std::size_t(i) * zp + lane + 32];
           }
-          accumulate_stats(i, z0, z1);
+          float m = ninf;
+#pragma unroll
+          for (int k = 0; k < 16; ++k) m = fmaxf(m, z[k]);
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          float e = 0.0f;
+          if (m != ninf) {
+#pragma unroll
+            for (int k = 0; k < 16; ++k) e += z[k] == ninf ? 0.0f : exp2f(z[k] - m);
+          }
+          e += __shfl_xor_sync(0xffffffffu, e, 1);
+          e += __shfl_xor_sync(0xffffffffu, e, 2);
+          // Only the quad's first thread touches the running statistics of row i.
+          if (idx % 4 == 0 && i < stat_rows && m != ninf) {
+            const float2 old = stat[i];
+            const float m_new = fmaxf(old.x, m);
+            stat[i] = {m_new, (old.x == ninf ? 0.0f : old.y * exp2f(old.x - m_new)) + e * exp2f(m - m_new)};
+          }
         }
       } else {
-        // Scores: four threads per key split the window, then add in a fixed order.
-        const std::int32_t key = threadIdx.x / 4, sub = threadIdx.x % 4, t = tile + key;
+        // Scores: window_splits threads per key split the window (a warp covers 32
+        // consecutive keys of one split), then add in a fixed order.
+        const std::int32_t key = threadIdx.x % mma_key_tile, sub = threadIdx.x / mma_key_tile, t = tile + key;
         const bool valid = t < n;
         float acc = 0.0f;
-        for (std::int32_t j = sub; valid && j < w; j += 4) {
+        for (std::int32_t j = sub; valid && j < w; j += window_splits) {
           const std::int32_t pj = T - w + j;
           if (!s.contributes(pj, t)) continue;
           if (by_logits) {
             float zz = ninf;
             for (std::int32_t g = 0; g < G; ++g) zz = fmaxf(zz, zs[std::size_t(j * G + g) * zp + key]);
-            acc += s.transform(zz == ninf ? 0.0f : expf(zz - stat_m[j]) * stat_l[j]);
+            const float2 st = stat[j];
+            acc += s.transform(zz == ninf ? 0.0f : exp2f(zz - st.x) * st.y);
           } else {
             float gacc = s.group == group_reduce::max ? ninf : 0.0f;
             for (std::int32_t g = 0; g < G; ++g) {
               const std::int32_t qi = j * G + g;
               const float z = zs[std::size_t(qi) * zp + key];
-              const float p = s.transform(z == ninf ? 0.0f : expf(z - stat_m[qi]) * stat_l[qi]);
+              const float2 st = stat[qi];
+              const float p = s.transform(z == ninf ? 0.0f : exp2f(z - st.x) * st.y);
               gacc = s.group == group_reduce::max ? fmaxf(gacc, p) : gacc + p;
             }
             acc += s.group == group_reduce::mean ? gacc / static_cast<float>(G) : gacc;
           }
         }
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-        if (sub == 0 && valid)
+        part[sub * mma_key_tile + key] = acc;
+        __syncthreads();
+        if (sub == 0 && valid) {
+          float total = part[key];
+          for (int k = 1; k < window_splits; ++k) total += part[k * mma_key_tile + key];
           scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
-              s.reduce == window_reduce::mean ? acc * (1.0f / static_cast<float>(w)) : acc;
+              s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
+        }
       }
       __syncthreads();
     }
