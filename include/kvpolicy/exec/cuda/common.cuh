@@ -36,11 +36,13 @@ struct row_coord {
   std::int32_t item, layer, head;
 };
 
-__device__ inline row_coord decode_row(const row_space& rs, std::int64_t r) {
-  const auto h = static_cast<std::int32_t>(r % rs.num_heads);
-  const auto rest = r / rs.num_heads;
-  const auto l = static_cast<std::int32_t>(rest % rs.num_layers);
-  return {static_cast<std::int32_t>(rest / rs.num_layers), rs.layer_begin + l, h};
+// Rows are launched as blockIdx.x, so they fit 32 bits; 32-bit division is a
+// fraction of the cost of 64-bit division, which every warp of every block pays here.
+__device__ inline row_coord decode_row(const row_space& rs, std::uint32_t r) {
+  const auto heads = static_cast<std::uint32_t>(rs.num_heads), layers = static_cast<std::uint32_t>(rs.num_layers);
+  const std::uint32_t rest = r / heads;
+  return {static_cast<std::int32_t>(rest / layers), rs.layer_begin + static_cast<std::int32_t>(rest % layers),
+          static_cast<std::int32_t>(r % heads)};
 }
 
 // Kernels after validation do nothing once an error was found, so a malformed
