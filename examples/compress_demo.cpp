@@ -18,11 +18,28 @@
 // the earlier heavy hitters. Per sequence it prints what was kept, and per stage
 // how long it took.
 //
-//   kvpolicy_demo [--preset zipage|rkv|gkv|snapkv|h2o|streaming_llm] [--device host]
+// One source, two builds. Compiled as C++ (this file) the demo has the host executor
+// only. Compiled as CUDA (compress_demo.cu includes this file; examples/CMakeLists.txt
+// builds kvpolicy_demo from it when CUDA is enabled) it also has `--device cuda`,
+// the default when a GPU is present: the demo copies K/V (and, for vllm_flash, a
+// table of the per-layer device addresses), the block table, lengths, queries, F and
+// the batch to the GPU, runs kvp::cuda_executor once to warm up and once timed (on
+// the same input), and copies K/V, F and the keep masks back into its host buffers,
+// so the statistics and the "kept K/V rows moved intact" check read the GPU's result.
+// Stage times on the GPU are CUDA events around the kernels (copies excluded); the
+// aggregate is fused into the select kernel there. `--device both` runs both
+// executors on identical copies of the cache, prints their stage times side by side
+// and compares their keep masks, lengths, released blocks and K/V bytes; the demo
+// goes on with the GPU's result.
+//
+//   kvpolicy_demo [--preset zipage|rkv|gkv|snapkv|h2o|streaming_llm] [--device cuda|host|both]
 //                 [--layout nano_vllm|vllm_flash] [--dtype bf16|f16|f32] [--seqs N]
 //                 [--layers N] [--kv-heads N] [--q-heads N] [--head-dim N]
 //                 [--block-size N] [--n-max N] [--rounds N] [--append N] [--seed N]
 //                 [--show-mask]
+//
+// fmt under nvcc: every format string here is checked at run time (str() and say()
+// below), never at compile time, and <fmt/...> comes after the kvpolicy headers.
 
 #include <algorithm>
 #include <charconv>
@@ -30,32 +47,64 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
-#include <fmt/format.h>
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
 
+#include "kvpolicy/kvpolicy.cuh"
+#else
 #include "kvpolicy/kvpolicy.hpp"
+#endif
+
+#include <fmt/format.h>
 
 namespace {
 
 using i32 = std::int32_t;
 
+// Runtime-checked formatting: fmt 9's compile-time format strings do not compile
+// under nvcc, and this file is compiled by nvcc in the CUDA build.
+template <class... Args>
+std::string str(std::string_view f, const Args&... args) {
+  return fmt::vformat(f, fmt::make_format_args(args...));
+}
+template <class... Args>
+void say(std::string_view f, const Args&... args) {
+  fmt::vprint(f, fmt::make_format_args(args...));
+}
+template <class... Args>
+void say_err(std::string_view f, const Args&... args) {
+  fmt::vprint(stderr, f, fmt::make_format_args(args...));
+}
+
 // ---------------------------------------------------------------------------
 // Command line
 
-enum class device { host, cuda };
+enum class device { host, cuda, both };
+
+std::string_view name_of(device d) {
+  switch (d) {
+    case device::host: return "host";
+    case device::cuda: return "cuda";
+    default: return "both";
+  }
+}
 
 struct options {
   std::string preset = "zipage";
-  device dev = device::host;
+  std::optional<device> dev;  // unset: cuda when built with CUDA and a GPU is present, else host
   std::string layout = "nano_vllm";
   kvp::dtype type = kvp::dtype::bf16;
   i32 seqs = 4, layers = 2, kv_heads = 2, q_heads = 8, head_dim = 64, block_size = 16, n_max = 9;
@@ -71,7 +120,10 @@ struct usage_error : std::runtime_error {
 
 constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
   --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm
-  --device NAME     host (default); cuda arrives with the CUDA executor
+  --device NAME     cuda: the CUDA executor (the default when the demo is built with
+                    CUDA and a GPU is present); host: the host executor (the default
+                    otherwise); both: host and cuda on identical copies of the cache,
+                    stage times side by side, keep masks and K/V bytes compared
   --layout NAME     nano_vllm (default) or vllm_flash
   --dtype NAME      bf16 (default), f16, f32
   --seqs N          sequences (4)          --layers N      layers (2)
@@ -83,13 +135,15 @@ constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
                     one block more than the preset's protected window)
   --seed N          random seed (1)
   --show-mask       print the keep map of sequence 0, layer 0, KV head 0
+GPU stage times are CUDA events around the kernels (copies to and from the GPU
+excluded), from a second run on the same input (the first loads the kernels).
 )";
 
 i32 parse_int(std::string_view flag, std::string_view s, i32 lo) {
   i32 v = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc{} || end != s.data() + s.size() || v < lo)
-    throw usage_error(fmt::format("{}: '{}' is not an integer >= {}", flag, s, lo));
+    throw usage_error(str("{}: '{}' is not an integer >= {}", flag, s, lo));
   return v;
 }
 
@@ -108,23 +162,24 @@ options parse(int argc, char** argv) {
     } else if (i + 1 < argc) {
       value = argv[++i];
     } else {
-      throw usage_error(fmt::format("{} needs a value", flag));
+      throw usage_error(str("{} needs a value", flag));
     }
     if (flag == "--preset") {
       o.preset = value;
     } else if (flag == "--device") {
       if (value == "host") o.dev = device::host;
       else if (value == "cuda") o.dev = device::cuda;
-      else throw usage_error(fmt::format("--device: '{}' is neither host nor cuda", value));
+      else if (value == "both") o.dev = device::both;
+      else throw usage_error(str("--device: '{}' is not cuda, host or both", value));
     } else if (flag == "--layout") {
       if (value != "nano_vllm" && value != "vllm_flash")
-        throw usage_error(fmt::format("--layout: '{}' is neither nano_vllm nor vllm_flash", value));
+        throw usage_error(str("--layout: '{}' is neither nano_vllm nor vllm_flash", value));
       o.layout = value;
     } else if (flag == "--dtype") {
       if (value == "bf16") o.type = kvp::dtype::bf16;
       else if (value == "f16") o.type = kvp::dtype::f16;
       else if (value == "f32") o.type = kvp::dtype::f32;
-      else throw usage_error(fmt::format("--dtype: '{}' is not bf16, f16 or f32", value));
+      else throw usage_error(str("--dtype: '{}' is not bf16, f16 or f32", value));
     } else if (flag == "--seqs") {
       o.seqs = parse_int(flag, value, 1);
     } else if (flag == "--layers") {
@@ -146,7 +201,7 @@ options parse(int argc, char** argv) {
     } else if (flag == "--seed") {
       o.seed = static_cast<std::uint64_t>(parse_int(flag, value, 0));
     } else {
-      throw usage_error(fmt::format("unknown option {}", flag));
+      throw usage_error(str("unknown option {}", flag));
     }
   }
   return o;
@@ -165,7 +220,7 @@ any_preset make_preset(std::string_view name) {
   if (name == "snapkv") return kvp::presets::snapkv{};
   if (name == "h2o") return kvp::presets::h2o{};
   if (name == "streaming_llm") return kvp::presets::streaming_llm{};
-  throw usage_error(fmt::format("--preset: unknown preset '{}'", name));
+  throw usage_error(str("--preset: unknown preset '{}'", name));
 }
 
 // ---------------------------------------------------------------------------
@@ -206,6 +261,35 @@ struct demo_cache {
     return (static_cast<std::size_t>(seq) * o.layers + l) * o.kv_heads + h;
   }
 };
+
+// The views over one copy of the demo's buffers, host or device: the same
+// constructors whatever the memory. `kv` is that copy of demo_cache::kv.
+std::vector<void*> layer_pointers(const demo_cache& c, std::byte* kv) {
+  std::vector<void*> p;
+  if (c.o.layout == "vllm_flash") {
+    const std::size_t layer_bytes = 2 * std::size_t(c.shape.num_blocks) * c.shape.block_size * c.shape.num_kv_heads *
+                                    c.shape.head_dim * static_cast<std::size_t>(kvp::size_of(c.shape.type));
+    for (i32 l = 0; l < c.o.layers; ++l) p.push_back(kv + l * layer_bytes);
+  }
+  return p;
+}
+
+kvp::paged_kv_view cache_view(const demo_cache& c, std::byte* kv, void* const* layers, const i32* table,
+                              const i32* lengths) {
+  const kvp::sequence_table seqs{
+      .table = kvp::block_table_view::dense(table, c.max_blocks), .lengths = lengths, .num_seqs = c.o.seqs};
+  return c.o.layout == "vllm_flash" ? kvp::layouts::vllm_flash(layers, c.shape, seqs)
+                                    : kvp::layouts::nano_vllm(kv, c.shape, seqs);
+}
+
+kvp::query_window_view query_view(const demo_cache& c, const std::byte* q) {
+  return kvp::query_window_view::contiguous(q, c.o.layers, c.o.seqs, c.query_window, c.o.q_heads, c.o.head_dim,
+                                            c.o.type);
+}
+
+kvp::score_view f_view(const demo_cache& c, float* f) {
+  return kvp::score_view::contiguous(f, c.shape.num_blocks, c.shape.block_size, c.o.kv_heads);
+}
 
 // Sequence s starts with N_max + (s mod 3) blocks, the last one full: Zipage's
 // trigger (N >= N_max blocks, full last block) has just fired for all of them.
@@ -263,18 +347,10 @@ demo_cache make_cache(const options& o, i32 budget, i32 window) {
   std::shuffle(c.free_blocks.begin(), c.free_blocks.end(), c.rng);
 
   // The views: constructors of one paged_kv_view over the engine's own memory.
-  const kvp::sequence_table seqs{.table = kvp::block_table_view::dense(c.table.data(), c.max_blocks),
-                                 .lengths = c.lengths.data(),
-                                 .num_seqs = o.seqs};
-  if (o.layout == "vllm_flash") {
-    for (i32 l = 0; l < o.layers; ++l) c.layer_tensors.push_back(c.kv.data() + 2 * l * per_layer * elem);
-    c.cache = kvp::layouts::vllm_flash(c.layer_tensors.data(), c.shape, seqs);
-  } else {
-    c.cache = kvp::layouts::nano_vllm(c.kv.data(), c.shape, seqs);
-  }
-  c.queries = kvp::query_window_view::contiguous(c.q.data(), o.layers, o.seqs, c.query_window, o.q_heads,
-                                                 o.head_dim, o.type);
-  c.scores = kvp::score_view::contiguous(c.f.data(), num_blocks, b, o.kv_heads);
+  c.layer_tensors = layer_pointers(c, c.kv.data());
+  c.cache = cache_view(c, c.kv.data(), c.layer_tensors.data(), c.table.data(), c.lengths.data());
+  c.queries = query_view(c, c.q.data());
+  c.scores = f_view(c, c.f.data());
 
   // Per (layer, KV head): the sink direction, then one topic direction per round.
   c.dirs.resize(std::size_t(o.layers) * o.kv_heads);
@@ -384,16 +460,270 @@ void append_tokens(demo_cache& c, i32 seq, i32 count, i32 round, i32 window) {
 }
 
 // ---------------------------------------------------------------------------
-// One compression on the chosen device. The host executor works in place on the
-// demo's host memory. The CUDA path slots in here: copy the cache, queries, F and
-// block table to the device, build the same views over device pointers, run
-// kvp::cuda_executor with the same pipeline, copy back. Same keep masks, same bytes.
+// The GPU, when the demo is built with CUDA.
+
+struct gpu_info {
+  int count = 0;
+  std::string name;  // of device 0
+  std::string why;    // when count == 0: why not, in a few words
+  std::string error;  // and the message for `--device cuda|both`
+};
+
+#if defined(__CUDACC__)
+
+void cuda_check(cudaError_t e, std::string_view call) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(str("CUDA error {} ({}) from {}", cudaGetErrorName(e), cudaGetErrorString(e), call));
+}
+#define DEMO_CUDA(call) cuda_check((call), #call)
+
+gpu_info probe_gpu() {
+  gpu_info g;
+  if (const cudaError_t e = cudaGetDeviceCount(&g.count); e != cudaSuccess) {
+    cudaGetLastError();  // not sticky; clear it
+    g.count = 0;
+    g.why = str("no usable CUDA device: cudaGetDeviceCount failed with {} ({})", cudaGetErrorName(e),
+                cudaGetErrorString(e));
+    g.error = g.why + "; run on a machine with an NVIDIA GPU and its driver, or use --device host";
+    return g;
+  }
+  if (g.count == 0) {
+    g.why = "no CUDA device found (cudaGetDeviceCount reports 0)";
+    g.error = g.why + "; run on a machine with an NVIDIA GPU, or use --device host";
+    return g;
+  }
+  cudaDeviceProp prop{};
+  DEMO_CUDA(cudaGetDeviceProperties(&prop, 0));
+  g.name = prop.name;
+  return g;
+}
+
+// cudaMalloc'ed array of n T, freed on scope exit; every copy checked.
+template <class T>
+class device_buffer {
+ public:
+  explicit device_buffer(std::size_t n) : n_(n) {
+    DEMO_CUDA(cudaMalloc(&p_, std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  explicit device_buffer(const std::vector<T>& v) : device_buffer(v.size()) { upload(v); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() {
+    if (p_) cudaFree(p_);
+  }
+  T* get() const { return static_cast<T*>(p_); }
+  void upload(const std::vector<T>& v) {
+    if (v.size() != n_) throw std::logic_error("device_buffer::upload: size mismatch");
+    DEMO_CUDA(cudaMemcpy(p_, v.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  void download(std::vector<T>& v) const {
+    v.resize(n_);
+    DEMO_CUDA(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+// The executor's stage_marks: before the first kernel, after score, redundancy,
+// epilogue (aggregate + select) and layout.
+struct stage_events {
+  cudaEvent_t e[5]{};
+  stage_events() {
+    for (auto& ev : e) DEMO_CUDA(cudaEventCreate(&ev));
+  }
+  stage_events(const stage_events&) = delete;
+  stage_events& operator=(const stage_events&) = delete;
+  ~stage_events() {
+    for (auto ev : e)
+      if (ev) cudaEventDestroy(ev);
+  }
+  double seconds(int from, int to) const {
+    float ms = 0.0f;
+    DEMO_CUDA(cudaEventElapsedTime(&ms, e[from], e[to]));
+    return 1e-3 * ms;
+  }
+};
+
+// One compression with kvp::cuda_executor, from the demo's host buffers (read only)
+// to `kv_out` and `f_out` (which may be c.kv and c.f themselves). Returns what the
+// host executor would: new lengths, released blocks, keep masks in the host layout
+// `[layer][kv_head][T]`, and the GPU time per stage.
+template <class Preset>
+kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::compression_batch& batch,
+                               std::vector<std::byte>& kv_out, std::vector<float>& f_out) {
+  const auto num_items = static_cast<i32>(batch.items.size());
+  const std::size_t rows = std::size_t(c.o.layers) * c.o.kv_heads;  // the batch covers every layer
+  i32 max_tokens = 1;
+  for (const kvp::batch_item& it : batch.items) max_tokens = std::max(max_tokens, c.lengths[it.seq]);
+  const i32 b = c.o.block_size, blocks_per_item = (max_tokens + b - 1) / b;
+  const std::vector<kvp::batch_item> items(batch.items.begin(), batch.items.end());
+
+  // The cache on the device: K/V bytes, per-layer device addresses (vllm_flash),
+  // block table, lengths; the queries, F and the batch.
+  device_buffer<std::byte> kv(c.kv), q(c.q);
+  device_buffer<float> f(c.f);
+  device_buffer<i32> table(c.table), lengths(c.lengths);
+  const std::vector<void*> layer_addrs = layer_pointers(c, kv.get());
+  device_buffer<void*> layers(layer_addrs);
+  device_buffer<kvp::batch_item> d_items(items);
+  const kvp::paged_kv_view cache = cache_view(c, kv.get(), layers.get(), table.get(), lengths.get());
+  const kvp::query_window_view queries = query_view(c, q.get());
+  const kvp::score_view scores = f_view(c, f.get());
+
+  // The results, in the device layout: keep masks `[item][layer][kv_head][max_tokens]`.
+  device_buffer<i32> status(kvp::status_words), new_lengths(items.size()), released_counts(items.size()),
+      released_blocks(items.size() * blocks_per_item);
+  device_buffer<std::uint8_t> keep(items.size() * rows * max_tokens);
+  const kvp::device_batch dbatch{.items = d_items.get(), .num_items = num_items, .max_tokens = max_tokens};
+  const kvp::device_result out{.status = status.get(),
+                               .new_lengths = new_lengths.get(),
+                               .released_counts = released_counts.get(),
+                               .released_blocks = released_blocks.get(),
+                               .keep_masks = keep.get()};
+
+  stage_events marks;
+  kvp::cuda_executor ex;
+  ex.stage_marks = marks.e;
+  std::size_t temp_bytes = 0;
+  DEMO_CUDA(ex.compress(nullptr, temp_bytes, p, cache, queries, scores, dbatch, out));
+  device_buffer<std::byte> temp(temp_bytes);
+
+  std::vector<i32> host_status;
+  auto run_once = [&] {
+    DEMO_CUDA(ex.compress(temp.get(), temp_bytes, p, cache, queries, scores, dbatch, out));
+    DEMO_CUDA(cudaDeviceSynchronize());  // and any error of a kernel
+    status.download(host_status);
+    try {
+      kvp::check(host_status.data());
+    } catch (const kvp::error& e) {
+      throw std::runtime_error(str("the CUDA executor's device-side checks rejected the batch: {}", e.what()));
+    }
+  };
+  // Warm-up: the first launch of each kernel loads the module. It compresses the
+  // device copy in place, so K/V and F are uploaded again before the timed run.
+  run_once();
+  kv.upload(c.kv);
+  f.upload(c.f);
+  run_once();
+
+  kvp::host_result res;
+  res.times[kvp::stage::score] = marks.seconds(0, 1);  // with the validation kernel
+  res.times[kvp::stage::redundancy] = marks.seconds(1, 2);
+  res.times[kvp::stage::select] = marks.seconds(2, 3);  // the epilogue: aggregate + protect + select
+  res.times[kvp::stage::layout] = marks.seconds(3, 4);
+
+  kv.download(kv_out);
+  f.download(f_out);
+  std::vector<i32> h_new, h_counts, h_blocks;
+  std::vector<std::uint8_t> h_keep;
+  new_lengths.download(h_new);
+  released_counts.download(h_counts);
+  released_blocks.download(h_blocks);
+  keep.download(h_keep);
+  res.new_lengths = h_new;
+  res.released_blocks.resize(items.size());
+  res.keep_masks.resize(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const auto first = h_blocks.begin() + static_cast<std::ptrdiff_t>(i * blocks_per_item);
+    res.released_blocks[i].assign(first, first + std::clamp(h_counts[i], 0, blocks_per_item));
+    const auto T = static_cast<std::size_t>(c.lengths[items[i].seq]);
+    auto& mask = res.keep_masks[i];
+    mask.resize(rows * T);
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::uint8_t* src = h_keep.data() + (i * rows + r) * static_cast<std::size_t>(max_tokens);
+      std::copy(src, src + T, mask.begin() + static_cast<std::ptrdiff_t>(r * T));
+    }
+  }
+  return res;
+}
+
+#else  // host-only build
+
+gpu_info probe_gpu() {
+  gpu_info g;
+  g.why = "built without CUDA";
+  g.error = "this kvpolicy_demo was built without CUDA and has the host executor only; rebuild it with CUDA "
+            "(nvcc found, -DKVPOLICY_ENABLE_CUDA=ON) or use --device host";
+  return g;
+}
+
+#endif
+
+// ---------------------------------------------------------------------------
+// One compression on the chosen device(s).
+
+// Host and GPU results of one round, compared (--device both).
+struct agreement {
+  long mask_rows = 0, mask_rows_differ = 0, mask_tokens_differ = 0;
+  long items_differ = 0;                   // new length or released blocks
+  long kv_rows = 0, kv_rows_differ = 0;    // live (token, head) rows of K and V, in rows whose masks agree
+  double f_max_diff = 0.0;                 // over all of F
+};
+
+struct outcome {
+  kvp::host_result res;  // what the demo goes on with (the GPU's, when it ran)
+  std::optional<kvp::stage_times> host_times, gpu_times;
+  std::optional<agreement> diff;
+};
 
 template <class Preset>
-kvp::host_result compress_on(device dev, const Preset& p, demo_cache& c, const kvp::compression_batch& batch) {
-  if (dev != device::host) throw std::runtime_error("--device cuda: the CUDA executor is not wired in yet");
-  const kvp::host_executor ex{.record_keep_masks = true};
-  return ex.compress(p, c.cache, c.queries, c.scores, batch);
+outcome compress_on(device dev, const Preset& p, demo_cache& c, const kvp::compression_batch& batch) {
+  const kvp::host_executor host{.record_keep_masks = true};
+  outcome out;
+  if (dev == device::host) {
+    out.res = host.compress(p, c.cache, c.queries, c.scores, batch);
+    out.host_times = out.res.times;
+    return out;
+  }
+#if defined(__CUDACC__)
+  if (dev == device::cuda) {
+    out.res = compress_cuda(p, c, batch, c.kv, c.f);
+    out.gpu_times = out.res.times;
+    return out;
+  }
+  // both: the host executor on a copy of K/V and F, the GPU's result back into the
+  // demo's own buffers. The block table and lengths are the engine's to update, so
+  // both executors read the same ones.
+  std::vector<std::byte> kv_h(c.kv);
+  std::vector<float> f_h(c.f);
+  const std::vector<void*> layers_h = layer_pointers(c, kv_h.data());
+  const kvp::paged_kv_view cache_h = cache_view(c, kv_h.data(), layers_h.data(), c.table.data(), c.lengths.data());
+  const kvp::host_result h = host.compress(p, cache_h, c.queries, f_view(c, f_h.data()), batch);
+  out.res = compress_cuda(p, c, batch, c.kv, c.f);
+  out.host_times = h.times;
+  out.gpu_times = out.res.times;
+
+  agreement a;
+  const std::size_t rows = std::size_t(c.o.layers) * c.o.kv_heads;
+  const auto row_bytes = static_cast<std::size_t>(c.cache.row_bytes());
+  for (std::size_t i = 0; i < batch.items.size(); ++i) {
+    const i32 seq = batch.items[i].seq, T = c.lengths[seq], n = out.res.new_lengths[i];
+    const bool same_item = h.new_lengths[i] == n && h.released_blocks[i] == out.res.released_blocks[i];
+    a.items_differ += !same_item;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const auto l = static_cast<i32>(r / c.o.kv_heads), hd = static_cast<i32>(r % c.o.kv_heads);
+      long tokens = 0;
+      for (i32 t = 0; t < T; ++t) tokens += h.keep_masks[i][r * T + t] != out.res.keep_masks[i][r * T + t];
+      ++a.mask_rows;
+      a.mask_rows_differ += tokens > 0;
+      a.mask_tokens_differ += tokens;
+      if (tokens > 0 || !same_item) continue;
+      for (i32 t = 0; t < n; ++t) {
+        a.kv_rows += 2;
+        a.kv_rows_differ += std::memcmp(cache_h.k_row(l, seq, t, hd), c.cache.k_row(l, seq, t, hd), row_bytes) != 0;
+        a.kv_rows_differ += std::memcmp(cache_h.v_row(l, seq, t, hd), c.cache.v_row(l, seq, t, hd), row_bytes) != 0;
+      }
+    }
+  }
+  for (std::size_t k = 0; k < f_h.size(); ++k)
+    a.f_max_diff = std::max(a.f_max_diff, static_cast<double>(std::fabs(f_h[k] - c.f[k])));
+  out.diff = a;
+  return out;
+#else
+  throw std::logic_error(str("--device {} in a build without CUDA", name_of(dev)));
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -406,7 +736,7 @@ struct tally {
     kept += k;
   }
   std::string pct() const {
-    return present == 0 ? std::string("-") : fmt::format("{:.0f}%", 100.0 * double(kept) / double(present));
+    return present == 0 ? std::string("-") : str("{:.0f}%", 100.0 * double(kept) / double(present));
   }
 };
 
@@ -437,12 +767,68 @@ void print_mask(const demo_cache& c, i32 seq, std::span<const std::uint8_t> keep
     kept += keep[t] ? '#' : '_';
   }
   const std::size_t width = 4 * (b + 1);  // four blocks a line
-  fmt::print("  keep map, seq {} layer 0 KV head 0 (S sink, H heavy, h earlier heavy, d older repeat, "
-             "D newest repeat; # kept, _ evicted)\n",
-             seq);
+  say("  keep map, seq {} layer 0 KV head 0 (S sink, H heavy, h earlier heavy, d older repeat, "
+      "D newest repeat; # kept, _ evicted)\n",
+      seq);
   for (std::size_t i = 0; i < roles.size(); i += width) {
-    fmt::print("    {}\n    {}\n", roles.substr(i, width), kept.substr(i, width));
+    say("    {}\n    {}\n", roles.substr(i, width), kept.substr(i, width));
   }
+}
+
+// One line comparing the host's and the GPU's results of a round (--device both).
+void print_agreement(const agreement& a) {
+  std::string masks = a.mask_rows_differ == 0
+                          ? str("keep masks identical in all {} (layer, KV head) rows", a.mask_rows)
+                          : str("keep masks differ in {} of {} rows, {} tokens (near-ties of fp32 scores)",
+                                a.mask_rows_differ, a.mask_rows, a.mask_tokens_differ);
+  say("  host vs cuda: {}; new lengths and released blocks {}; kept K/V rows {}; F max |host - gpu| {:.3g}\n", masks,
+      a.items_differ == 0 ? std::string("identical") : str("differ in {} items", a.items_differ),
+      a.kv_rows_differ == 0 ? str("byte-identical ({} rows of K and V)", a.kv_rows)
+                            : str("DIFFER: {} of {} rows whose masks agree", a.kv_rows_differ, a.kv_rows),
+      a.f_max_diff);
+}
+
+struct round_times {
+  std::optional<kvp::stage_times> host, gpu;
+};
+
+// Per stage and round: host ms, GPU ms, or both side by side ("host | gpu").
+void print_times(const std::vector<round_times>& rounds, const std::string& gpu_name) {
+  if (rounds.empty()) return;
+  const bool h = rounds.front().host.has_value(), g = rounds.front().gpu.has_value();
+  const std::string gpu_what =
+      str("  (gpu: time between CUDA events on {}; copies to and from the GPU excluded)\n", gpu_name);
+  if (h && g) say("\ntime per stage, ms: host executor | cuda executor\n{}", gpu_what);
+  else if (g) say("\nGPU time per stage (cuda executor), ms\n{}", gpu_what);
+  else say("\nhost time per stage, ms\n");
+
+  const std::size_t w = h && g ? 19 : 9;
+  say("  {:<10}", "stage");
+  for (std::size_t r = 0; r < rounds.size(); ++r) say("  {:>{}}", str("round {}", r + 1), w);
+  say("\n");
+  if (h && g) {
+    say("  {:<10}", "");
+    for (std::size_t r = 0; r < rounds.size(); ++r) say("  {:>{}}", str("{:>8} | {:>8}", "host", "gpu"), w);
+    say("\n");
+  }
+  const auto ms = [](double s) { return str("{:.3f}", 1e3 * s); };
+  const auto cell = [&](const round_times& rt, std::optional<kvp::stage> st) {
+    std::string hs, gs;
+    if (h) hs = ms(st ? (*rt.host)[*st] : rt.host->total());
+    if (g) gs = st == kvp::stage::aggregate ? std::string("-") : ms(st ? (*rt.gpu)[*st] : rt.gpu->total());
+    return h && g ? str("{:>8} | {:>8}", hs, gs) : h ? hs : gs;
+  };
+  for (std::size_t i = 0; i < kvp::stage_names.size(); ++i) {
+    const auto st = static_cast<kvp::stage>(i);
+    say("  {:<10}", kvp::stage_names[i]);
+    for (const auto& rt : rounds) say("  {:>{}}", cell(rt, st), w);
+    say("{}\n", g && st == kvp::stage::aggregate ? "  (gpu: fused into select)" : "");
+  }
+  say("  {:<10}", "total");
+  for (const auto& rt : rounds) say("  {:>{}}", cell(rt, std::nullopt), w);
+  say("\n");
+  if (g)
+    say("  gpu: score includes the validation kernel; select is the fused epilogue (aggregate, protect, select)\n");
 }
 
 // Hands released blocks back, trims the table, and follows each row's kept tokens.
@@ -506,13 +892,19 @@ int run(options o) {
   const auto wall0 = std::chrono::steady_clock::now();
   const any_preset preset = make_preset(o.preset);
   if (o.q_heads % o.kv_heads != 0)
-    throw usage_error(fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
-  if (o.dev == device::cuda) {
-    fmt::print(stderr,
-               "error: --device cuda: the CUDA executor is not part of this build yet; the demo runs on it once "
-               "kvp::cuda_executor lands. Use --device host.\n");
-    return 2;
+    throw usage_error(str("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
+
+  // The device: cuda by default when this build has CUDA and there is a GPU.
+  gpu_info gpu;
+  if (o.dev != device::host) gpu = probe_gpu();
+  std::string dev_note;
+  if (!o.dev) {
+    o.dev = gpu.count > 0 ? device::cuda : device::host;
+    dev_note = gpu.count > 0 ? std::string(" (default)") : str(" (default; {})", gpu.why);
+  } else if (*o.dev != device::host && gpu.count == 0) {
+    throw std::runtime_error(str("--device {}: {}", name_of(*o.dev), gpu.error));
   }
+  const device dev = *o.dev;
 
   const i32 b = o.block_size, budget = (o.n_max - 1) * b;
   // The window the preset protects, and how many queries its scorer reads.
@@ -523,26 +915,31 @@ int run(options o) {
   if (o.append == 0) o.append = std::max(2 * b, (protect_window + b - 1) / b * b + b);
   demo_cache c = make_cache(o, budget, std::max(protect_window, score_window));
 
-  fmt::print("kvpolicy {}.{}.{} demo: preset {}, {} executor, {}, layout {}\n", KVPOLICY_VERSION_MAJOR,
-             KVPOLICY_VERSION_MINOR, KVPOLICY_VERSION_PATCH, o.preset, o.dev == device::host ? "host" : "cuda",
-             kvp::name_of(o.type), o.layout);
-  fmt::print("cache: {} seqs, {} layers, h_kv {}, h_q {}, d {}, b {}, N_max {}: budget {} tokens per (layer, KV head);"
-             " {} physical blocks, handed out shuffled\n",
-             o.seqs, o.layers, o.kv_heads, o.q_heads, o.head_dim, b, o.n_max, budget, c.shape.num_blocks);
+  const std::string executor = dev == device::host   ? std::string("host executor")
+                               : dev == device::cuda ? str("cuda executor on {}", gpu.name)
+                                                     : str("host and cuda executors (cuda on {})", gpu.name);
+  say("kvpolicy {}.{}.{} demo: preset {}, {}{}, {}, layout {}\n", KVPOLICY_VERSION_MAJOR, KVPOLICY_VERSION_MINOR,
+      KVPOLICY_VERSION_PATCH, o.preset, executor, dev_note, kvp::name_of(o.type), o.layout);
+  say("cache: {} seqs, {} layers, h_kv {}, h_q {}, d {}, b {}, N_max {}: budget {} tokens per (layer, KV head);"
+      " {} physical blocks, handed out shuffled\n",
+      o.seqs, o.layers, o.kv_heads, o.q_heads, o.head_dim, b, o.n_max, budget, c.shape.num_blocks);
 
   for (i32 s = 0; s < o.seqs; ++s) append_tokens(c, s, initial_blocks(o, s) * b, 1, protect_window);
 
-  fmt::print("columns: share of the planted tokens kept, over all layers and KV heads\n"
-             "  heavy: heavy hitters of this round's topic; earlier heavy: of earlier topics, which the current\n"
-             "         queries ignore (a preset that keeps scores in F remembers them)\n"
-             "  copies: each repeated segment is written three times; a redundancy-aware preset drops the older\n"
-             "         copies and keeps the newest\n");
+  say("columns: share of the planted tokens kept, over all layers and KV heads\n"
+      "  heavy: heavy hitters of this round's topic; earlier heavy: of earlier topics, which the current\n"
+      "         queries ignore (a preset that keeps scores in F remembers them)\n"
+      "  copies: each repeated segment is written three times; a redundancy-aware preset drops the older\n"
+      "         copies and keeps the newest\n");
+  if (dev == device::both)
+    say("both executors compress identical copies of each round's cache; the statistics are the cuda executor's,\n"
+        "and the demo goes on with its result\n");
 
   auto print_row = [](const auto&... cells) {
-    fmt::print("  {:>3}  {:>10}  {:>7}  {:>8}  {:>5}  {:>5}  {:>13}  {:>12}  {:>11}\n", cells...);
+    say("  {:>3}  {:>10}  {:>7}  {:>8}  {:>5}  {:>5}  {:>13}  {:>12}  {:>11}\n", cells...);
   };
-  std::vector<kvp::stage_times> times;
-  long bad_rows = 0;
+  std::vector<round_times> times;
+  long bad_rows = 0, masks_differ = 0, kv_differ = 0;
   for (i32 round = 1; round <= o.rounds; ++round) {
     if (round > 1)
       for (i32 s = 0; s < o.seqs; ++s) append_tokens(c, s, o.append, round, protect_window);
@@ -556,16 +953,16 @@ int run(options o) {
     std::vector<std::vector<std::byte>> before;
     for (i32 s = 0; s < o.seqs; ++s) before.push_back(snapshot(c, s));
 
-    const kvp::host_result res = std::visit([&](const auto& p) { return compress_on(o.dev, p, c, batch); }, preset);
-    times.push_back(res.times);
+    const outcome oc = std::visit([&](const auto& p) { return compress_on(dev, p, c, batch); }, preset);
+    const kvp::host_result& res = oc.res;
+    times.push_back({oc.host_times, oc.gpu_times});
 
-    fmt::print("\nround {}: {}\n", round,
-               round == 1 ? std::string("first compression, history_tokens 0")
-                          : fmt::format("{} tokens appended on a new topic; history_tokens {}: F holds the scores of "
-                                        "positions [0, {})",
-                                        o.append, budget, budget));
-    print_row("seq", "tokens", "blocks", "released", "sinks", "heavy", "earlier heavy", "older copies",
-              "newest copy");
+    say("\nround {}: {}\n", round,
+        round == 1 ? std::string("first compression, history_tokens 0")
+                   : str("{} tokens appended on a new topic; history_tokens {}: F holds the scores of "
+                         "positions [0, {})",
+                         o.append, budget, budget));
+    print_row("seq", "tokens", "blocks", "released", "sinks", "heavy", "earlier heavy", "older copies", "newest copy");
     seq_report total;
     for (std::size_t i = 0; i < items.size(); ++i) {
       const i32 seq = items[i].seq, T = len_before[seq], n = res.new_lengths[i];
@@ -592,32 +989,33 @@ int run(options o) {
         to->present += from->present;
         to->kept += from->kept;
       }
-      print_row(seq, fmt::format("{} -> {}", T, n), fmt::format("{} -> {}", (T + b - 1) / b, (n + b - 1) / b),
+      print_row(seq, str("{} -> {}", T, n), str("{} -> {}", (T + b - 1) / b, (n + b - 1) / b),
                 res.released_blocks[i].size(), r.sinks.pct(), r.heavy.pct(), r.earlier_heavy.pct(), r.dup_old.pct(),
                 r.dup_newest.pct());
       bad_rows += verify_moves(c, seq, T, before[i], res.keep_masks[i]);
     }
-    print_row("all", "", "", "", total.sinks.pct(), total.heavy.pct(), total.earlier_heavy.pct(),
-              total.dup_old.pct(), total.dup_newest.pct());
+    print_row("all", "", "", "", total.sinks.pct(), total.heavy.pct(), total.earlier_heavy.pct(), total.dup_old.pct(),
+              total.dup_newest.pct());
+    if (oc.diff) {
+      print_agreement(*oc.diff);
+      masks_differ += oc.diff->mask_rows_differ + oc.diff->items_differ;
+      kv_differ += oc.diff->kv_rows_differ;
+    }
     if (o.show_mask) print_mask(c, 0, std::span(res.keep_masks[0]).first(static_cast<std::size_t>(len_before[0])));
     apply_result(c, batch, res);
   }
 
-  fmt::print("\nkept K/V rows moved intact: {}\n", bad_rows == 0 ? "yes" : fmt::format("NO, {} rows differ", bad_rows));
+  say("\nkept K/V rows moved intact: {}\n", bad_rows == 0 ? std::string("yes") : str("NO, {} rows differ", bad_rows));
+  if (dev == device::both)
+    say("host and cuda agree: {}\n",
+        masks_differ == 0 && kv_differ == 0
+            ? std::string("yes (keep masks, lengths, released blocks, kept K/V bytes)")
+            : str("{} mask rows or items differ (near-ties), {} K/V rows differ where the masks agree", masks_differ,
+                  kv_differ));
 
-  fmt::print("\nhost time per stage, ms\n  {:<10}", "stage");
-  for (std::size_t r = 0; r < times.size(); ++r) fmt::print("  {:>9}", fmt::format("round {}", r + 1));
-  fmt::print("\n");
-  for (std::size_t st = 0; st < kvp::stage_names.size(); ++st) {
-    fmt::print("  {:<10}", kvp::stage_names[st]);
-    for (const auto& t : times) fmt::print("  {:>9.3f}", 1e3 * t.seconds[st]);
-    fmt::print("\n");
-  }
-  fmt::print("  {:<10}", "total");
-  for (const auto& t : times) fmt::print("  {:>9.3f}", 1e3 * t.total());
-  fmt::print("\nwall time {:.1f} ms\n",
-             1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count());
-  return bad_rows == 0 ? 0 : 1;
+  print_times(times, gpu.name);
+  say("wall time {:.1f} ms\n", 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count());
+  return bad_rows == 0 && kv_differ == 0 ? 0 : 1;
 }
 
 }  // namespace
@@ -627,16 +1025,16 @@ int main(int argc, char** argv) {
     return run(parse(argc, argv));
   } catch (const usage_error& e) {
     if (!*e.what()) {  // --help
-      fmt::print("{}", usage);
+      say("{}", usage);
       return 0;
     }
-    fmt::print(stderr, "error: {}\n(kvpolicy_demo --help lists the options)\n", e.what());
+    say_err("error: {}\n(kvpolicy_demo --help lists the options)\n", e.what());
     return 2;
   } catch (const kvp::error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
+    say_err("error: {}\n", e.what());
     return 1;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
+    say_err("error: {}\n", e.what());
     return 1;
   }
 }

@@ -130,3 +130,36 @@ TEST_CASE("malformed shapes throw before any launch") {
 
 }  // namespace
 }  // namespace kvp_gpu
+
+namespace kvp_gpu {
+namespace {
+
+// Hand case on the device: all-zero keys and queries give every candidate the same
+// score under every stage of zipage (uniform attention, zero similarity), so the
+// tie rule alone decides: each (layer, head) keeps exactly the most recent tokens.
+TEST_CASE("ties go to the most recent token on the device") {
+  case_config cfg = zipage_case();
+  cfg.lengths = {256, 200};
+  gpu_case c(cfg);
+  std::fill(c.kv.begin(), c.kv.end(), std::byte{0});
+  std::fill(c.q.begin(), c.q.end(), std::byte{0});
+  std::fill(c.f.begin(), c.f.end(), 0.0f);
+  const std::vector<kvp::batch_item> items{{0, 0, 100, 0}, {1, 1, 64, 0}};
+  device_side dev(c);
+  device_outputs out(items, 256, cfg.layers * cfg.kv_heads, c.max_blocks);
+  REQUIRE_EQ(cudaSuccess, out.run(kvp::cuda_executor{}, kvp::presets::zipage{}, dev));
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  REQUIRE(to_host(out.status)[0] == 0);
+  const auto keep = to_host(out.keep);
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::int32_t T = c.lengths[items[i].seq], k = items[i].budget;
+    for (std::int32_t row = 0; row < cfg.layers * cfg.kv_heads; ++row)
+      for (std::int32_t t = 0; t < T; ++t)
+        CHECK_MESSAGE(keep[(i * cfg.layers * cfg.kv_heads + row) * 256 + t] == (t >= T - k ? 1 : 0), "item ", i,
+                      " row ", row, " token ", t);
+  }
+  CHECK(to_host(out.new_lengths) == std::vector<std::int32_t>{100, 64});
+}
+
+}  // namespace
+}  // namespace kvp_gpu
