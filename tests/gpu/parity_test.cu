@@ -183,5 +183,24 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
                       rep.mask_mismatches, rep.max_score_error));
 }
 
+TEST_CASE("parity: rows too long for shared memory take the global-memory epilogue") {
+  parity_report rep;
+  case_config cfg;
+  cfg.layers = 1;
+  cfg.block_size = 256;
+  cfg.kv_heads = 1;
+  cfg.q_heads = 2;
+  cfg.head_dim = 64;
+  cfg.type = kvp::dtype::bf16;
+  cfg.lengths = {128 * 256, 200};  // 32768 tokens: two floats per token exceed 227 KB
+  const std::vector<kvp::batch_item> items{{0, 0, 127 * 256, 0}, {1, 1, 64, 0}};
+  check_parity(kvp::presets::zipage{}, cfg, items, rep, true);
+  cfg.seed = 2;
+  const std::vector<kvp::batch_item> again{{0, 0, 120 * 256, 127 * 256}};
+  check_parity(kvp::presets::zipage{}, cfg, again, rep, true);
+  MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences"), rep.tokens,
+                      rep.mask_mismatches));
+}
+
 }  // namespace
 }  // namespace kvp_gpu

@@ -27,6 +27,7 @@
 #include "kvpolicy/exec/cuda/score_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/lightning_mma_kernel.cuh"
+#include "kvpolicy/exec/cuda/full_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/validate_kernel.cuh"
 #include "kvpolicy/exec/device_status.hpp"
 #include "kvpolicy/exec/validate.hpp"
@@ -93,7 +94,7 @@ struct cuda_executor {
 
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
                        batch.max_tokens, out.status};
-    const auto plan = plan_workspace<P>(rs, out);
+    const auto plan = plan_workspace<P>(rs, out, !rows_fit_in_shared_memory(batch.max_tokens));
     if (temp == nullptr) {
       temp_bytes = plan.total;
       return cudaSuccess;
@@ -150,9 +151,21 @@ struct cuda_executor {
           auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum);
           auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest);
           auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c);
-          const auto tiles = static_cast<unsigned>((batch.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
-          launch(cuda::full_columns_kernel<P>, rows, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs,
-                 rowsum, newest, newest_c);
+          if (mma_keys(cache)) {
+            const auto tiles =
+                static_cast<unsigned>((batch.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
+            const auto smem = cuda::full_mma_smem_bytes(d);
+            if (cache.type == dtype::bf16)
+              launch(cuda::full_columns_mma_kernel<P, dtype::bf16>, rows, tiles, smem, pv, cache, rs, rowsum, newest,
+                     newest_c);
+            else
+              launch(cuda::full_columns_mma_kernel<P, dtype::f16>, rows, tiles, smem, pv, cache, rs, rowsum, newest,
+                     newest_c);
+          } else {
+            const auto tiles = static_cast<unsigned>((batch.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
+            launch(cuda::full_columns_kernel<P>, rows, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs,
+                   rowsum, newest, newest_c);
+          }
           launch(cuda::full_finish_kernel<P>, rows, 1, std::size_t(batch.max_tokens) * sizeof(float), pv, cache, rs,
                  rowsum, newest, newest_c, red_buf);
         }
@@ -160,8 +173,10 @@ struct cuda_executor {
       mark(2);
       const cuda::epilogue_out eo{keep,           out.scores, out.new_lengths, out.released_counts,
                                   out.released_blocks, max_blocks(batch, cache)};
-      launch(cuda::epilogue_kernel<P>, rows, 1, cuda::epilogue_smem_floats(batch.max_tokens) * sizeof(float), pv, cache,
-             scores, rs, score_buf, red_buf, eo);
+      float* rows_global = plan.rows_global ? reinterpret_cast<float*>(ws + plan.rows_global) : nullptr;
+      launch(cuda::epilogue_kernel<P>, rows, 1,
+             rows_global ? 0 : cuda::epilogue_smem_floats(batch.max_tokens) * sizeof(float), pv, cache, scores, rs,
+             score_buf, red_buf, rows_global, eo);
       mark(3);
       if constexpr (moves_tokens<L>()) {
         const std::int32_t chunk = cuda::compact_chunk(cache.row_bytes(), compact_smem_bytes);
@@ -199,11 +214,16 @@ struct cuda_executor {
   static constexpr std::size_t compact_smem_bytes = 64 * 1024;
 
   struct workspace_plan {
-    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, total = 0;
+    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, rows_global = 0, total = 0;
   };
 
+  // Whether the epilogue holds a row of scores (and its pooling copy) in shared memory.
+  static bool rows_fit_in_shared_memory(std::int32_t max_tokens) {
+    return cuda::epilogue_smem_floats(max_tokens) * sizeof(float) <= static_cast<std::size_t>(shared_memory_limit());
+  }
+
   template <class P>
-  static workspace_plan plan_workspace(const cuda::row_space& rs, const device_result& out) {
+  static workspace_plan plan_workspace(const cuda::row_space& rs, const device_result& out, bool rows_global) {
     const std::size_t cells = static_cast<std::size_t>(rs.rows()) * static_cast<std::size_t>(rs.max_tokens);
     workspace_plan w;
     auto take = [&](std::size_t bytes) {
@@ -221,6 +241,7 @@ struct cuda_executor {
       }
     }
     if (!out.keep_masks) w.keep = take(cells);
+    if (rows_global) w.rows_global = take(2 * cells * sizeof(float));  // offset 0 is never a real buffer
     return w;
   }
 
@@ -256,8 +277,6 @@ struct cuda_executor {
               "address {:#x} is not 16-byte aligned", reinterpret_cast<std::uintptr_t>(lb.base));
     }
     const std::size_t limit = static_cast<std::size_t>(shared_memory_limit());
-    require(cuda::epilogue_smem_floats(batch.max_tokens) * sizeof(float) <= limit, "batch.max_tokens",
-            "is {}; the CUDA epilogue holds a row of scores in {} bytes of shared memory", batch.max_tokens, limit);
     if constexpr (AttentionScorer<typename P::scorer_type>) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       const std::size_t need = mma_scores(cache, queries)
@@ -274,6 +293,13 @@ struct cuda_executor {
               "address {:#x} is not 16-byte aligned", reinterpret_cast<std::uintptr_t>(queries.base));
     }
     if constexpr (!std::same_as<typename P::redundancy_type, none>) {
+      if constexpr (P::redundancy_type::pairs == redundancy::scope::full) {
+        require(!mma_keys(cache) || cuda::full_mma_smem_bytes(cache.head_dim) <= limit, "cache.head_dim",
+                "is {}; a tile of keys exceeds {} bytes of shared memory", cache.head_dim, limit);
+        require(std::size_t(batch.max_tokens) * sizeof(float) <= limit, "batch.max_tokens",
+                "is {}; full redundancy gathers a row's dropped similarities in {} bytes of shared memory",
+                batch.max_tokens, limit);
+      }
       if constexpr (P::redundancy_type::pairs == redundancy::scope::block) {
         const std::size_t need = mma_keys(cache) ? cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim)
                                                  : cuda::lightning_smem_floats(cache.block_size, cache.head_dim) *

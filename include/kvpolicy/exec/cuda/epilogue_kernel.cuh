@@ -80,10 +80,13 @@ struct epilogue_out {
   std::int32_t max_blocks = 0;
 };
 
+// `rows_global`: null when the row and its pooling copy fit in shared memory;
+// otherwise [2][rows][max_tokens] floats of global memory that stand in for them
+// (rows too long for shared memory: slower, same results).
 template <class P>
 __global__ void __launch_bounds__(row_threads) epilogue_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
                                                                const float* scores_in, const float* red_in,
-                                                               epilogue_out out) {
+                                                               float* rows_global, epilogue_out out) {
   using Sel = typename P::select_type;
   using L = typename P::layout_type;
   extern __shared__ float4 smem4[];
@@ -94,8 +97,9 @@ __global__ void __launch_bounds__(row_threads) epilogue_kernel(P p, paged_kv_vie
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   const std::int64_t base = row * rs.max_tokens;
-  float* s = reinterpret_cast<float*>(smem4);
-  float* tmp = s + rs.max_tokens;
+  const std::int64_t cells = rs.rows() * rs.max_tokens;
+  float* s = rows_global ? rows_global + base : reinterpret_cast<float*>(smem4);
+  float* tmp = rows_global ? rows_global + cells + base : s + rs.max_tokens;
   const float inf = __builtin_huge_valf();
 
   for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)

@@ -48,21 +48,7 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  {
-    // Inverse norms: a group of lanes per key, 16-byte loads, a butterfly in the group.
-    const std::int32_t group = lanes_per_row(d), g_lane = static_cast<std::int32_t>(threadIdx.x) % group;
-    for (std::int32_t r = static_cast<std::int32_t>(threadIdx.x) / group; r < rows; r += blockDim.x / group) {
-      float ss = 0.0f;
-      for (std::int32_t v = g_lane; v < d / 8; v += group) {
-        float x[8];
-        widen8<Elem>(*reinterpret_cast<const uint4*>(keys + std::size_t(r) * pitch + v * 8), x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
-      }
-      for (std::int32_t o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (g_lane == 0 && r < count) inv[r] = 1.0f / (sqrtf(ss) + p.redundancy.eps);
-    }
-  }
+  inverse_norms_16<Elem>(keys, inv, count, d, pitch, p.redundancy.eps);
   __syncthreads();
 
   for (std::int32_t m0 = warp * 16; m0 < rows; m0 += warps * 16) {

@@ -115,5 +115,23 @@ __device__ inline void widen8(const uint4& raw, float (&x)[8]) {
   }
 }
 
+// Inverse norms of `count` rows of 16-bit keys in shared memory (a group of lanes per row).
+template <dtype Elem>
+__device__ inline void inverse_norms_16(const std::uint16_t* keys, float* inv, std::int32_t count, std::int32_t d,
+                                        std::int32_t pitch, float eps) {
+  const std::int32_t group = lanes_per_row(d), g_lane = static_cast<std::int32_t>(threadIdx.x) % group;
+  for (std::int32_t r = static_cast<std::int32_t>(threadIdx.x) / group; r < (count + 15) / 16 * 16; r += blockDim.x / group) {
+    float ss = 0.0f;
+    for (std::int32_t v = g_lane; v < d / 8; v += group) {
+      float x[8];
+      widen8<Elem>(*reinterpret_cast<const uint4*>(keys + std::size_t(r) * pitch + v * 8), x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
+    }
+    for (std::int32_t o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (g_lane == 0 && r < count) inv[r] = 1.0f / (sqrtf(ss) + eps);
+  }
+}
+
 }  // namespace cuda
 KVP_NAMESPACE_END

@@ -1,0 +1,140 @@
+// Full redundancy on tensor cores for f16/bf16 caches: one block per (row, tile of
+// 128 columns u) streams every key tile v of the row through shared memory
+// (cp.async, double-buffered) and keeps, per u, its row sum and newest similar
+// neighbour in registers. O(T) extra memory; full_finish_kernel completes it.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/config.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/mma.cuh"
+#include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
+#include "kvpolicy/pipeline/traits.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cuda {
+
+inline constexpr int full_mma_columns = 16 * (row_threads / 32);  // one 16-row tile per warp
+inline constexpr int full_mma_keys = 64;                           // keys v per streamed tile
+
+// Shared memory, in bytes: the column tile and two key tiles [.][d + 8] (16-bit),
+// and the inverse norms of the columns and of both key tiles.
+KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d) {
+  const std::size_t pitch = std::size_t(d) + 8;
+  return (full_mma_columns + 2 * full_mma_keys) * pitch * 2 + (full_mma_columns + 2 * full_mma_keys) * 4;
+}
+
+template <class P, dtype Elem>
+__global__ void __launch_bounds__(row_threads) full_columns_mma_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                       float* rowsum_out, std::int32_t* newest_out,
+                                                                       float* newest_c_out) {
+  extern __shared__ uint4 smem16[];
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t u_pos0 = static_cast<std::int32_t>(blockIdx.y) * full_mma_columns;
+  if (u_pos0 >= n) return;
+  const std::int32_t u_count = min(full_mma_columns, n - u_pos0), d = cache.head_dim, pitch = d + 8;
+  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float theta = p.redundancy.theta, eps = p.redundancy.eps;
+
+  auto* us = reinterpret_cast<std::uint16_t*>(smem16);
+  std::uint16_t* vbase = us + std::size_t(full_mma_columns) * pitch;
+  const std::size_t tile_elems = std::size_t(full_mma_keys) * pitch;
+  auto* u_inv = reinterpret_cast<float*>(vbase + 2 * tile_elems);
+  float* v_inv_base = u_inv + full_mma_columns;
+
+  copy_rows_async(us, full_mma_columns, u_count, d, pitch, [&](std::int32_t r) -> const std::byte* {
+    return cache.k_row(rc.layer, it.seq, u_pos0 + r, rc.head);
+  });
+  copy_key_rows_async(vbase, full_mma_keys, min(full_mma_keys, n), pitch, cache, rc.layer, it.seq, rc.head, 0);
+  cp_async_commit();
+
+  const std::int32_t m0 = warp * 16;
+  const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
+  float sum[2] = {0.0f, 0.0f}, near_c[2] = {0.0f, 0.0f};
+  std::int32_t near[2] = {-1, -1};
+  float uinv[2] = {0.0f, 0.0f};
+
+  int buf = 0;
+  for (std::int32_t v_pos0 = 0; v_pos0 < n; v_pos0 += full_mma_keys, buf ^= 1) {
+    const std::int32_t v_count = min(full_mma_keys, n - v_pos0), next = v_pos0 + full_mma_keys;
+    if (next < n) {
+      copy_key_rows_async(vbase + (buf ^ 1) * tile_elems, full_mma_keys, min(full_mma_keys, n - next), pitch, cache,
+                          rc.layer, it.seq, rc.head, next);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const std::uint16_t* vs = vbase + buf * tile_elems;
+    float* v_inv = v_inv_base + buf * full_mma_keys;
+    if (v_pos0 == 0) inverse_norms_16<Elem>(us, u_inv, u_count, d, pitch, eps);
+    inverse_norms_16<Elem>(vs, v_inv, v_count, d, pitch, eps);
+    __syncthreads();
+    if (v_pos0 == 0) {
+      uinv[0] = u[0] < u_count ? u_inv[u[0]] : 0.0f;
+      uinv[1] = u[1] < u_count ? u_inv[u[1]] : 0.0f;
+    }
+
+    if (m0 < u_count) {
+      float acc[8][4] = {};
+      for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
+        std::uint32_t a[4];
+        ldmatrix_x4(a, us + std::size_t(m0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          std::uint32_t bf[4];
+          ldmatrix_x4(bf, vs + std::size_t(np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
+          mma_16816<Elem>(acc[np * 2], a, bf[0], bf[1]);
+          mma_16816<Elem>(acc[np * 2 + 1], a, bf[2], bf[3]);
+        }
+      }
+      // Columns v increase along a lane's loop, so the last v over theta is the newest.
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const std::int32_t v = nt * 8 + (lane % 4) * 2 + e, pos_v = v_pos0 + v;
+          const float vi = v < v_count ? v_inv[v] : 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (u[h] >= u_count || v >= v_count || pos_v == u_pos0 + u[h]) continue;
+            const float sim = acc[nt][h * 2 + e] * (uinv[h] * vi);
+            sum[h] += sim;
+            if (sim > theta) {
+              near[h] = pos_v;
+              near_c[h] = sim;
+            }
+          }
+        }
+    }
+    __syncthreads();  // the next iteration's copy overwrites this tile
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    for (int o = 1; o < 4; o <<= 1) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], o);
+      const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, near[h], o);
+      const float c2 = __shfl_xor_sync(0xffffffffu, near_c[h], o);
+      if (n2 > near[h]) {
+        near[h] = n2;
+        near_c[h] = c2;
+      }
+    }
+    if (lane % 4 == 0 && u[h] < u_count) {
+      const std::int64_t at = row * rs.max_tokens + u_pos0 + u[h];
+      rowsum_out[at] = sum[h];
+      newest_out[at] = near[h];
+      newest_c_out[at] = near_c[h];
+    }
+  }
+}
+
+}  // namespace cuda
+KVP_NAMESPACE_END
