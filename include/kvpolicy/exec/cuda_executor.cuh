@@ -9,6 +9,7 @@
 // is reported in `device_result::status` (see check()).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -277,6 +278,12 @@ struct cuda_executor {
               "address {:#x} is not 16-byte aligned", reinterpret_cast<std::uintptr_t>(lb.base));
     }
     const std::size_t limit = static_cast<std::size_t>(shared_memory_limit());
+    require(cuda::compact_chunk(row, compact_smem_bytes) >= 1, "cache.head_dim",
+            "is {}; a row of {} bytes is too long for the compaction's staging buffer", cache.head_dim, row);
+    // Per-row tiles go in gridDim.y, which stops at 65535.
+    const std::int64_t tiles = std::max<std::int64_t>(max_blocks(batch, cache), batch.max_tokens / 64 + 1);
+    require(tiles <= 65535, "batch.max_tokens", "is {}; rows of more than 65535 tiles ({}) exceed the launch grid",
+            batch.max_tokens, tiles);
     if constexpr (AttentionScorer<typename P::scorer_type>) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       const std::size_t need = mma_scores(cache, queries)
