@@ -10,6 +10,7 @@
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
+#include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
 #include "kvpolicy/pipeline/traits.hpp"
 
@@ -118,15 +119,7 @@ __global__ void __launch_bounds__(row_threads) full_columns_mma_kernel(P p, page
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    for (int o = 1; o < 4; o <<= 1) {
-      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], o);
-      const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, near[h], o);
-      const float c2 = __shfl_xor_sync(0xffffffffu, near_c[h], o);
-      if (n2 > near[h]) {
-        near[h] = n2;
-        near_c[h] = c2;
-      }
-    }
+    reduce_column<4>(sum[h], near[h], near_c[h]);  // the quad holds one row
     if (lane % 4 == 0 && u[h] < u_count) {
       const std::int64_t at = row * rs.max_tokens + u_pos0 + u[h];
       rowsum_out[at] = sum[h];

@@ -93,16 +93,7 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // The four lanes of a quad hold the same row.
-      for (int o = 1; o < 4; o <<= 1) {
-        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], o);
-        const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, near[h], o);
-        const float c2 = __shfl_xor_sync(0xffffffffu, near_c[h], o);
-        if (n2 > near[h]) {
-          near[h] = n2;
-          near_c[h] = c2;
-        }
-      }
+      reduce_column<4>(sum[h], near[h], near_c[h]);  // the quad holds one row
       if (lane % 4 == 0 && u[h] < count) {
         rowsum[u[h]] = sum[h];
         newest[u[h]] = near[h] < 0 ? -1 : pos0 + near[h];

@@ -69,11 +69,13 @@ __device__ inline void compare_columns(column_state& st, const float* us, const 
   }
 }
 
-// Folds a column's per-lane state over the warp: sum of row sums, and the newest
-// neighbour with its similarity. Every lane ends with the result.
+// Folds a column's per-lane state over groups of `Lanes` adjacent lanes (the warp,
+// or the quad of an MMA fragment row): sum of row sums, and the newest neighbour
+// with its similarity. Every lane of the group ends with the result.
+template <int Lanes = 32>
 __device__ inline void reduce_column(float& rowsum, std::int32_t& newest, float& newest_c) {
-  rowsum = warp_sum(rowsum);
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int o = Lanes / 2; o > 0; o >>= 1) {
+    rowsum += __shfl_xor_sync(0xffffffffu, rowsum, o);
     const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, newest, o);
     const float c2 = __shfl_xor_sync(0xffffffffu, newest_c, o);
     if (n2 > newest) {
