@@ -9,6 +9,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/gram_tile.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
 #include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
@@ -28,7 +29,7 @@ KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d) {
 }
 
 template <class P, dtype Elem>
-__global__ void __launch_bounds__(row_threads) full_columns_mma_kernel(P p, paged_kv_view cache, row_space rs,
+__global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, paged_kv_view cache, row_space rs,
                                                                        float* rowsum_out, std::int32_t* newest_out,
                                                                        float* newest_c_out) {
   extern __shared__ uint4 smem16[];
@@ -49,24 +50,20 @@ __global__ void __launch_bounds__(row_threads) full_columns_mma_kernel(P p, page
   auto* u_inv = reinterpret_cast<float*>(vbase + 2 * tile_elems);
   float* v_inv_base = u_inv + full_mma_columns;
 
-  copy_rows_async(us, full_mma_columns, u_count, d, pitch, [&](std::int32_t r) -> const std::byte* {
-    return cache.k_row(rc.layer, it.seq, u_pos0 + r, rc.head);
-  });
-  copy_key_rows_async(vbase, full_mma_keys, min(full_mma_keys, n), pitch, cache, rc.layer, it.seq, rc.head, 0);
+  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, pitch);
+  loader.copy(cache, us, full_mma_columns, u_count, u_pos0);
+  loader.copy(cache, vbase, full_mma_keys, min(full_mma_keys, n), 0);
   cp_async_commit();
 
   const std::int32_t m0 = warp * 16;
   const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
-  float sum[2] = {0.0f, 0.0f}, near_c[2] = {0.0f, 0.0f};
-  std::int32_t near[2] = {-1, -1};
-  float uinv[2] = {0.0f, 0.0f};
+  similarity_rows st;
 
   int buf = 0;
   for (std::int32_t v_pos0 = 0; v_pos0 < n; v_pos0 += full_mma_keys, buf ^= 1) {
     const std::int32_t v_count = min(full_mma_keys, n - v_pos0), next = v_pos0 + full_mma_keys;
     if (next < n) {
-      copy_key_rows_async(vbase + (buf ^ 1) * tile_elems, full_mma_keys, min(full_mma_keys, n - next), pitch, cache,
-                          rc.layer, it.seq, rc.head, next);
+      loader.copy(cache, vbase + (buf ^ 1) * tile_elems, full_mma_keys, min(full_mma_keys, n - next), next);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -79,52 +76,30 @@ __global__ void __launch_bounds__(row_threads) full_columns_mma_kernel(P p, page
     inverse_norms_16<Elem>(vs, v_inv, v_count, d, pitch, eps);
     __syncthreads();
     if (v_pos0 == 0) {
-      uinv[0] = u[0] < u_count ? u_inv[u[0]] : 0.0f;
-      uinv[1] = u[1] < u_count ? u_inv[u[1]] : 0.0f;
+      st.inv[0] = u[0] < u_count ? u_inv[u[0]] : 0.0f;
+      st.inv[1] = u[1] < u_count ? u_inv[u[1]] : 0.0f;
     }
 
     if (m0 < u_count) {
       float acc[8][4] = {};
-      for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
-        std::uint32_t a[4];
-        ldmatrix_x4(a, us + std::size_t(m0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          std::uint32_t bf[4];
-          ldmatrix_x4(bf, vs + std::size_t(np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
-          mma_16816<Elem>(acc[np * 2], a, bf[0], bf[1]);
-          mma_16816<Elem>(acc[np * 2 + 1], a, bf[2], bf[3]);
-        }
-      }
-      // Columns v increase along a lane's loop, so the last v over theta is the newest.
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const std::int32_t v = nt * 8 + (lane % 4) * 2 + e, pos_v = v_pos0 + v;
-          const float vi = v < v_count ? v_inv[v] : 0.0f;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (u[h] >= u_count || v >= v_count || pos_v == u_pos0 + u[h]) continue;
-            const float sim = acc[nt][h * 2 + e] * (uinv[h] * vi);
-            sum[h] += sim;
-            if (sim > theta) {
-              near[h] = pos_v;
-              near_c[h] = sim;
-            }
-          }
-        }
+      gram_tile<Elem>(acc, us + std::size_t(m0) * pitch, vs, full_mma_keys, d, pitch);
+      // Bounds and the diagonal are tested only in the tiles that need them.
+      const std::int32_t diag[2] = {u_pos0 + u[0] - v_pos0, u_pos0 + u[1] - v_pos0};
+      if (v_count == full_mma_keys && (v_pos0 >= u_pos0 + m0 + 16 || u_pos0 + m0 >= v_pos0 + full_mma_keys))
+        fold_similarities<false>(st, acc, v_inv, v_pos0, full_mma_keys, diag, theta);
+      else
+        fold_similarities<true>(st, acc, v_inv, v_pos0, v_count, diag, theta);
     }
     __syncthreads();  // the next iteration's copy overwrites this tile
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    reduce_column<4>(sum[h], near[h], near_c[h]);  // the quad holds one row
+    reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
     if (lane % 4 == 0 && u[h] < u_count) {
       const std::int64_t at = row * rs.max_tokens + u_pos0 + u[h];
-      rowsum_out[at] = sum[h];
-      newest_out[at] = near[h];
-      newest_c_out[at] = near_c[h];
+      rowsum_out[at] = st.sum[h];
+      newest_out[at] = st.near[h];
+      newest_c_out[at] = st.near_c[h];
     }
   }
 }

@@ -1,6 +1,8 @@
 // Lightning redundancy on tensor cores for f16/bf16 caches: the b x b Gram matrix of
-// one cache block with mma.sync, scaled by the inverse norms in fp32, and reduced to
-// row sums and newest similar neighbours without leaving registers.
+// one cache block in 16 x 64 tiles with mma.sync, scaled by the inverse norms in
+// fp32, and reduced to row sums and newest similar neighbours without leaving
+// registers. Three blocks per SM fit in shared memory (b = 256, d = 128), so the
+// register cap is that of three.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +10,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/gram_tile.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
 #include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
@@ -24,7 +27,7 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
 }
 
 template <class P, dtype Elem>
-__global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
+__global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
                                                                     float* red_out) {
   extern __shared__ uint4 smem16[];
   if (failed(rs)) return;
@@ -44,7 +47,7 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
   auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
   float* newest_c = reinterpret_cast<float*>(newest + rows);
 
-  copy_key_rows_async(keys, rows, count, pitch, cache, rc.layer, it.seq, rc.head, pos0);
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, pitch).copy(cache, keys, rows, count, pos0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -53,51 +56,26 @@ __global__ void __launch_bounds__(row_threads) lightning_mma_kernel(P p, paged_k
 
   for (std::int32_t m0 = warp * 16; m0 < rows; m0 += warps * 16) {
     const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
-    const float u_inv[2] = {u[0] < count ? inv[u[0]] : 0.0f, u[1] < count ? inv[u[1]] : 0.0f};
-    float sum[2] = {0.0f, 0.0f}, near_c[2] = {0.0f, 0.0f};
-    std::int32_t near[2] = {-1, -1};
-    for (std::int32_t v0 = 0; v0 < rows; v0 += 32) {
-      float acc[4][4] = {};
-      for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
-        std::uint32_t a[4];
-        ldmatrix_x4(a, keys + std::size_t(m0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          if (v0 + np * 16 >= rows) break;
-          std::uint32_t bf[4];
-          ldmatrix_x4(bf, keys + std::size_t(v0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
-          mma_16816<Elem>(acc[np * 2], a, bf[0], bf[1]);
-          mma_16816<Elem>(acc[np * 2 + 1], a, bf[2], bf[3]);
-        }
-      }
-      // A lane meets its columns v in increasing order, so the last v over theta is
-      // the newest; bounds and the diagonal are tested only where a piece needs it.
-      const bool inside = v0 + 32 <= count && m0 + 16 <= count && (v0 >= m0 + 16 || m0 >= v0 + 32);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const std::int32_t v = v0 + nt * 8 + (lane % 4) * 2 + e;
-          const float v_inv = v < count ? inv[v] : 0.0f;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (!inside && (u[h] >= count || v >= count || v == u[h])) continue;
-            const float sim = acc[nt][h * 2 + e] * (u_inv[h] * v_inv);
-            sum[h] += sim;
-            if (sim > theta) {
-              near[h] = v;
-              near_c[h] = sim;
-            }
-          }
-        }
+    similarity_rows st;
+    st.inv[0] = inv[u[0]];
+    st.inv[1] = inv[u[1]];
+    for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
+      float acc[8][4] = {};
+      gram_tile<Elem>(acc, keys + std::size_t(m0) * pitch, keys + std::size_t(v0) * pitch, rows - v0, d, pitch);
+      // Bounds and the diagonal are tested only in the tiles that need them.
+      const std::int32_t diag[2] = {u[0] - v0, u[1] - v0};
+      if (v0 + gram_tile_columns <= count && (v0 >= m0 + 16 || m0 >= v0 + gram_tile_columns))
+        fold_similarities<false>(st, acc, inv + v0, v0, gram_tile_columns, diag, theta);
+      else
+        fold_similarities<true>(st, acc, inv + v0, v0, count - v0, diag, theta);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      reduce_column<4>(sum[h], near[h], near_c[h]);  // the quad holds one row
+      reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
       if (lane % 4 == 0 && u[h] < count) {
-        rowsum[u[h]] = sum[h];
-        newest[u[h]] = near[h] < 0 ? -1 : pos0 + near[h];
-        newest_c[u[h]] = near_c[h];
+        rowsum[u[h]] = st.sum[h];
+        newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];
+        newest_c[u[h]] = st.near_c[h];
       }
     }
   }

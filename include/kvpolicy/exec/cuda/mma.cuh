@@ -80,23 +80,53 @@ __device__ inline void copy_rows_async(std::uint16_t* dst, std::int32_t rows, st
   }
 }
 
-// copy_rows_async for the keys [pos0, pos0 + count) of one (layer, seq, head) row of
-// a paged cache: when the tile lies in one cache block (the usual case: block sizes
-// are multiples of the tile), every row is the block's first row plus a stride, so
-// the block table is read once per thread instead of once per row.
-__device__ inline void copy_key_rows_async(std::uint16_t* dst, std::int32_t rows, std::int32_t count,
-                                           std::int32_t pitch, const paged_kv_view& cache, std::int32_t layer,
-                                           std::int32_t seq, std::int32_t head, std::int32_t pos0) {
-  const std::int32_t b = cache.block_size, d = cache.head_dim;
-  if (pos0 % b + rows <= b) {
-    const std::byte* first = cache.k_row(layer, seq, pos0, head);
-    const std::int64_t stride = cache.k_stride.token * size_of(cache.type);
-    copy_rows_async(dst, rows, count, d, pitch, [&](std::int32_t r) { return first + r * stride; });
-  } else {
-    copy_rows_async(dst, rows, count, d, pitch,
-                    [&](std::int32_t r) -> const std::byte* { return cache.k_row(layer, seq, pos0 + r, head); });
+// Copies tiles of the keys of one (layer, seq, head) row of a paged cache into
+// shared memory ([rows][pitch] 16-bit, rows past `count` zero-filled), with cp.async.
+// What stays the same from tile to tile (the thread's chunk of a row, the layer's
+// base, strides) is computed once. A tile inside one cache block (the usual case:
+// block sizes are multiples of the tile) costs one block-table read; each thread
+// keeps one chunk column and walks the rows by pointer increments.
+class key_tile_loader {
+ public:
+  __device__ key_tile_loader(const paged_kv_view& cache, std::int32_t layer, std::int32_t seq, std::int32_t head,
+                             std::int32_t pitch)
+      : layer_(layer), seq_(seq), head_(head), pitch_(pitch) {
+    const std::int32_t vecs = cache.head_dim / 8, tid = static_cast<std::int32_t>(threadIdx.x);
+    strided_ = static_cast<std::int32_t>(blockDim.x) % vecs == 0;
+    step_ = static_cast<std::int32_t>(blockDim.x) / vecs;
+    row0_ = tid / vecs;
+    chunk_ = tid % vecs;
+    base_ = cache.k.layer(layer, cache.type) + cache.k_stride.head * head * size_of(cache.type);
+    stride_ = cache.k_stride.token * size_of(cache.type);
   }
-}
+
+  // Keys [pos0, pos0 + count) into dst rows [0, count); rows [count, rows) get zeros.
+  // `c` is the view the loader was made for (passed again, not stored: a kernel
+  // parameter whose address is kept would be copied to local memory).
+  __device__ void copy(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
+                       std::int32_t pos0) const {
+    const std::int32_t blk = pos0 / c.block_size, slot = pos0 - blk * c.block_size;
+    if (!strided_ || slot + count > c.block_size) {
+      copy_rows_async(dst, rows, count, c.head_dim, pitch_, [&](std::int32_t r) -> const std::byte* {
+        return c.k_row(layer_, seq_, pos0 + r, head_);
+      });
+      return;
+    }
+    const std::int64_t first = c.k_stride.block * c.table.block(seq_, blk) + c.k_stride.token * slot;
+    std::int32_t r = row0_;
+    const std::byte* src = base_ + first * size_of(c.type) + r * stride_ + chunk_ * 16;
+    std::uint16_t* out = dst + std::size_t(r) * pitch_ + chunk_ * 8;
+    for (; r < count; r += step_, src += step_ * stride_, out += std::size_t(step_) * pitch_) cp_async_16(out, src, 16);
+    for (; r < rows; r += step_, out += std::size_t(step_) * pitch_) *reinterpret_cast<uint4*>(out) = uint4{0, 0, 0, 0};
+  }
+
+ private:
+  std::int32_t layer_, seq_, head_, pitch_;
+  bool strided_;
+  std::int32_t step_, row0_, chunk_;
+  const std::byte* base_;
+  std::int64_t stride_;
+};
 
 // Eight 16-bit elements of type T widened to fp32.
 template <dtype T>
@@ -115,21 +145,23 @@ __device__ inline void widen8(const uint4& raw, float (&x)[8]) {
   }
 }
 
-// Inverse norms of `count` rows of 16-bit keys in shared memory (a group of lanes per row).
+// Inverse norms of `count` rows of 16-bit keys in shared memory, a thread per row
+// summing in element order as the host does (rows [count, round16(count)) get 0).
+// With the 8-element row pad, the 16-byte reads of 8 adjacent rows hit distinct banks.
 template <dtype Elem>
 __device__ inline void inverse_norms_16(const std::uint16_t* keys, float* inv, std::int32_t count, std::int32_t d,
                                         std::int32_t pitch, float eps) {
-  const std::int32_t group = lanes_per_row(d), g_lane = static_cast<std::int32_t>(threadIdx.x) % group;
-  for (std::int32_t r = static_cast<std::int32_t>(threadIdx.x) / group; r < (count + 15) / 16 * 16; r += blockDim.x / group) {
+  const std::int32_t rows = (count + 15) / 16 * 16;
+  for (auto r = static_cast<std::int32_t>(threadIdx.x); r < rows; r += static_cast<std::int32_t>(blockDim.x)) {
+    const auto* row = reinterpret_cast<const uint4*>(keys + std::size_t(r) * pitch);
     float ss = 0.0f;
-    for (std::int32_t v = g_lane; v < d / 8; v += group) {
+    for (std::int32_t v = 0; v < d / 8; ++v) {
       float x[8];
-      widen8<Elem>(*reinterpret_cast<const uint4*>(keys + std::size_t(r) * pitch + v * 8), x);
+      widen8<Elem>(row[v], x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
     }
-    for (std::int32_t o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (g_lane == 0 && r < count) inv[r] = 1.0f / (sqrtf(ss) + eps);
+    inv[r] = r < count ? 1.0f / (sqrtf(ss) + eps) : 0.0f;
   }
 }
 

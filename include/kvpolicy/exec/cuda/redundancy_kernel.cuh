@@ -102,9 +102,13 @@ __device__ inline void subtract_dropped(float* sums, const std::int32_t* newest,
     const std::int32_t target = u < count ? newest[u] : -1;
     const float c = u < count ? newest_c[u] : 0.0f;
     const unsigned peers = __match_any_sync(0xffffffffu, target);
-    float total = 0.0f;
-    for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, c, __ffs(m) - 1);
-    if (target >= 0 && lane == __ffs(peers) - 1) sums[target - pos0] -= total;
+    // Lanes without a neighbour (target -1) share one group and subtract nothing:
+    // they skip the fold, which would otherwise walk all of them.
+    if (target >= 0) {
+      float total = 0.0f;
+      for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, c, __ffs(m) - 1);
+      if (lane == __ffs(peers) - 1) sums[target - pos0] -= total;
+    }
     __syncwarp();
   }
 }

@@ -40,7 +40,7 @@ KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, s
 }
 
 template <AttentionScorer S, dtype Elem>
-__global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, paged_kv_view cache,
+__global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s, paged_kv_view cache,
                                                                           query_window_view q, row_space rs,
                                                                           float* scores) {
   extern __shared__ uint4 smem16[];
@@ -74,18 +74,18 @@ __global__ void __launch_bounds__(row_threads) attention_score_mma_kernel(S s, p
     *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
   }
   for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i] = {ninf, 0.0f};
+  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, pitch);
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
       for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i].y = 1.0f / stat[i].y;
-    copy_key_rows_async(kbase, mma_key_tile, min(mma_key_tile, n), pitch, cache, rc.layer, it.seq, rc.head, 0);
+    loader.copy(cache, kbase, mma_key_tile, min(mma_key_tile, n), 0);
     cp_async_commit();
     int buf = 0;
     for (std::int32_t tile = 0; tile < n; tile += mma_key_tile, buf ^= 1) {
       const std::int32_t next = tile + mma_key_tile;
       if (next < n) {
-        copy_key_rows_async(kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), pitch, cache,
-                            rc.layer, it.seq, rc.head, next);
+        loader.copy(cache, kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), next);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
