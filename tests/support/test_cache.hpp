@@ -160,21 +160,10 @@ class test_cache {
       case cache_layout::nhd:
       case cache_layout::hnd: buffers_.assign(2 * L, std::vector<std::byte>(layer * es)); break;
     }
-    for (std::size_t l = 0; l < L; ++l) {
-      switch (cfg_.layout) {
-        case cache_layout::nano_vllm: break;
-        case cache_layout::vllm_flash:
-        case cache_layout::vllm_flash_blocks_first:
-          k_layers_.push_back(buffers_[l].data());
-          v_layers_.push_back(buffers_[l].data());
-          break;
-        case cache_layout::nhd:
-        case cache_layout::hnd:
-          k_layers_.push_back(buffers_[2 * l].data());
-          v_layers_.push_back(buffers_[2 * l + 1].data());
-          break;
-      }
-    }
+    std::vector<std::byte*> bases;
+    for (auto& buf : buffers_) bases.push_back(buf.data());
+    k_layers_ = layer_table(kv_kind::k, bases);
+    v_layers_ = layer_table(kv_kind::v, bases);
     queries_.assign(static_cast<std::size_t>(cfg_.layers) * cfg_.slots * cfg_.window * cfg_.q_heads * cfg_.head_dim *
                         kvp::size_of(*cfg_.q_type),
                     std::byte{0});
@@ -223,6 +212,10 @@ class test_cache {
   std::vector<i32>& raw_indptr() noexcept { return indptr_; }
   std::vector<i32>& raw_lengths() noexcept { return lengths_; }
   std::vector<std::vector<std::byte>>& raw_buffers() noexcept { return buffers_; }
+  const std::vector<i32>& raw_table() const noexcept { return table_; }
+  const std::vector<i32>& raw_indptr() const noexcept { return indptr_; }
+  const std::vector<i32>& raw_lengths() const noexcept { return lengths_; }
+  const std::vector<std::vector<std::byte>>& raw_buffers() const noexcept { return buffers_; }
   // Index into raw_table() of logical block i of seq.
   std::size_t table_index(i32 seq, i32 i) const {
     return cfg_.csr ? static_cast<std::size_t>(indptr_[seq] + i) : static_cast<std::size_t>(seq) * row_stride_ + i;
@@ -232,29 +225,55 @@ class test_cache {
   kvp::cache_shape shape() const noexcept {
     return {cfg_.layers, cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads, cfg_.head_dim, cfg_.type};
   }
-  kvp::sequence_table sequences() const noexcept {
-    const auto t = cfg_.csr ? kvp::block_table_view::csr(indptr_.data(), table_.data())
-                            : kvp::block_table_view::dense(table_.data(), row_stride_);
-    return {t, lengths_.data(), num_seqs()};
-  }
+  kvp::sequence_table sequences() const noexcept { return sequences_over(table_.data(), indptr_.data(), lengths_.data()); }
   kvp::paged_kv_view view() {
+    return view_over({buffers_[0].data(), k_layers_.data(), v_layers_.data(), table_.data(), indptr_.data(),
+                      lengths_.data()});
+  }
+  kvp::query_window_view queries() const noexcept { return queries_over(queries_.data()); }
+  kvp::score_view scores() noexcept { return scores_over(f_.data()); }
+
+  // The same views over copies of this fixture's arrays held elsewhere (device memory):
+  // same shape, same layout, other addresses. `layer_table` gives the per-layer tensor
+  // bases of the layouts that take them, from where raw_buffers()[i] was copied to.
+  struct array_bases {
+    std::byte* buffer0 = nullptr;  // raw_buffers()[0]: nano_vllm's one tensor
+    void* const* k_layers = nullptr;
+    void* const* v_layers = nullptr;
+    const i32* table = nullptr;
+    const i32* indptr = nullptr;
+    const i32* lengths = nullptr;
+  };
+  std::vector<void*> layer_table(kv_kind kind, std::span<std::byte* const> buffer_bases) const {
+    std::vector<void*> out;
+    if (cfg_.layout == cache_layout::nano_vllm) return out;
+    const bool split = cfg_.layout == cache_layout::nhd || cfg_.layout == cache_layout::hnd;  // K and V apart
+    for (std::size_t l = 0; l < static_cast<std::size_t>(cfg_.layers); ++l)
+      out.push_back(split ? buffer_bases[2 * l + (kind == kv_kind::v ? 1 : 0)] : buffer_bases[l]);
+    return out;
+  }
+  kvp::sequence_table sequences_over(const i32* table, const i32* indptr, const i32* lengths) const noexcept {
+    const auto t = cfg_.csr ? kvp::block_table_view::csr(indptr, table) : kvp::block_table_view::dense(table, row_stride_);
+    return {t, lengths, num_seqs()};
+  }
+  kvp::paged_kv_view view_over(const array_bases& a) const {
     const auto s = shape();
-    const auto q = sequences();
+    const auto q = sequences_over(a.table, a.indptr, a.lengths);
     switch (cfg_.layout) {
-      case cache_layout::nano_vllm: return kvp::layouts::nano_vllm(buffers_[0].data(), s, q);
-      case cache_layout::vllm_flash: return kvp::layouts::vllm_flash(k_layers_.data(), s, q);
-      case cache_layout::vllm_flash_blocks_first: return kvp::layouts::vllm_flash_blocks_first(k_layers_.data(), s, q);
-      case cache_layout::nhd: return kvp::layouts::nhd(k_layers_.data(), v_layers_.data(), s, q);
-      case cache_layout::hnd: return kvp::layouts::hnd(k_layers_.data(), v_layers_.data(), s, q);
+      case cache_layout::nano_vllm: return kvp::layouts::nano_vllm(a.buffer0, s, q);
+      case cache_layout::vllm_flash: return kvp::layouts::vllm_flash(a.k_layers, s, q);
+      case cache_layout::vllm_flash_blocks_first: return kvp::layouts::vllm_flash_blocks_first(a.k_layers, s, q);
+      case cache_layout::nhd: return kvp::layouts::nhd(a.k_layers, a.v_layers, s, q);
+      case cache_layout::hnd: return kvp::layouts::hnd(a.k_layers, a.v_layers, s, q);
     }
     return {};
   }
-  kvp::query_window_view queries() const noexcept {
-    return kvp::query_window_view::contiguous(queries_.data(), cfg_.layers, cfg_.slots, cfg_.window, cfg_.q_heads,
-                                              cfg_.head_dim, *cfg_.q_type);
+  kvp::query_window_view queries_over(const void* base) const noexcept {
+    return kvp::query_window_view::contiguous(base, cfg_.layers, cfg_.slots, cfg_.window, cfg_.q_heads, cfg_.head_dim,
+                                              *cfg_.q_type);
   }
-  kvp::score_view scores() noexcept {
-    return kvp::score_view::contiguous(f_.data(), cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads);
+  kvp::score_view scores_over(float* base) const noexcept {
+    return kvp::score_view::contiguous(base, cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads);
   }
 
   // ---- element access (independent index math) -------------------------------
@@ -369,6 +388,8 @@ class test_cache {
     return f_at(snap, l, block_of_token(seq, t), t % cfg_.block_size, h);
   }
   std::vector<float>& raw_f() noexcept { return f_; }
+  const std::vector<float>& raw_f() const noexcept { return f_; }
+  const std::vector<std::byte>& raw_queries() const noexcept { return queries_; }
 
   // ---- contents ----------------------------------------------------------------
   float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng_); }
@@ -516,6 +537,18 @@ kvp::host_result run_host(const P& p, test_cache& tc, const std::vector<kvp::bat
   const kvp::host_executor ex{.record_keep_masks = true, .record_scores = true};
   return ex.compress(p, tc.view(), tc.queries(), tc.scores(), make_batch(items, layer_begin, layer_count));
 }
+
+#ifndef KVP_TEST_CUDA_EXECUTOR
+// How the unit tests run a pipeline: here, on the host executor. Their CUDA build
+// (KVP_TEST_CUDA_EXECUTOR, tests/CMakeLists.txt) includes support/run_on_both_executors.cuh
+// first, which defines it instead: the host executor, then the CUDA executor on a device
+// copy of the cache, checked to agree.
+template <class P>
+kvp::host_result run(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
+                     i32 layer_count = 0) {
+  return run_host(p, tc, items, layer_begin, layer_count);
+}
+#endif
 
 // Index of (layer - layer_begin, head, t) in a host_result's keep_masks / scores row.
 inline std::size_t result_index(i32 layer_offset, i32 h, i32 t, i32 H, i32 T) {

@@ -7,18 +7,20 @@
 
 namespace kvp_test {
 
-// A KeyScorer whose score of token t is values[t] (host memory, at least T entries).
-// Trivially copyable and default constructible like any policy.
+// A KeyScorer whose score of token t is values[t] (at least T entries, in the memory of
+// the executor that runs it: the CUDA build of the unit tests hands the CUDA executor a
+// device copy, support/run_on_both_executors.cuh). Trivially copyable and default
+// constructible like any policy.
 struct table_scorer {
   const float* values = nullptr;
 
-  float key_score(kvp::row_ref, std::int32_t t, std::int32_t) const noexcept { return values[t]; }
+  KVP_HOST_DEVICE float key_score(kvp::row_ref, std::int32_t t, std::int32_t) const noexcept { return values[t]; }
 };
 static_assert(kvp::KeyScorer<table_scorer>);
 
 // A KeyScorer reading the score from the key itself: element 0 of k_t.
 struct first_element_scorer {
-  float key_score(kvp::row_ref k, std::int32_t, std::int32_t) const noexcept { return k[0]; }
+  KVP_HOST_DEVICE float key_score(kvp::row_ref k, std::int32_t, std::int32_t) const noexcept { return k[0]; }
 };
 static_assert(kvp::KeyScorer<first_element_scorer>);
 

@@ -45,7 +45,7 @@ TEST_CASE("compact: kept tokens move in order to the front, F with them, blocks 
       const auto before = tc.take_snapshot();
       scored_compact p;
       p.protect = {.window = 1, .sinks = 0};
-      const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 4}});
+      const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 4}});
       CHECK(res.new_lengths == std::vector<int>{4});
       CHECK(res.keep_masks[0] == std::vector<std::uint8_t>{1, 0, 1, 0, 0, 0, 1, 1, /* head 1 */ 0, 1, 0, 1, 0, 1, 0, 1});
       CHECK(res.released_blocks == std::vector<std::vector<int>>{{tc.block(0, 2)}});
@@ -73,7 +73,7 @@ TEST_CASE("compact: a batch of several sequences, budgets per item; other sequen
   const std::vector<kvp::batch_item> items{{.seq = 2, .budget = 5}, {.seq = 0, .budget = 3}};
   scored_compact p;
   p.protect = {.window = 1, .sinks = 1};
-  const auto res = kvp_test::run_host(p, tc, items, 1, 2);  // layers 1, 2
+  const auto res = kvp_test::run(p, tc, items, 1, 2);  // layers 1, 2
   CHECK(res.new_lengths == std::vector<int>{5, 3});
   CHECK(res.released_blocks[0] == std::vector<int>{tc.block(2, 3), tc.block(2, 4), tc.block(2, 5)});
   CHECK(res.released_blocks[1] == std::vector<int>{tc.block(0, 2), tc.block(0, 3), tc.block(0, 4)});
@@ -100,7 +100,7 @@ TEST_CASE("compact: keeping everything moves nothing") {
   const auto before = tc.take_snapshot();
   kvp::pipeline<kvp_test::first_element_scorer, none, none, kvp::select::top_k, kvp::layout::compact> p;
   p.protect = {.window = 0, .sinks = 0};
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 5}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 5}});
   CHECK(res.new_lengths[0] == 5);
   CHECK(res.released_blocks[0].empty());
   CHECK(tc.unchanged_since(before));
@@ -111,7 +111,7 @@ TEST_CASE("compact: the budget ends on a block boundary, and within one") {
     test_cache tc({.block_size = 2, .head_dim = 1, .lengths = {7}});
     kvp::pipeline<kvp_test::first_element_scorer, none, none, kvp::select::top_k, kvp::layout::compact> p;
     p.protect = {.window = 0, .sinks = 0};
-    const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = budget}});
+    const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = budget}});
     std::vector<int> released;
     for (int blk = (budget + 1) / 2; blk < 4; ++blk) released.push_back(tc.block(0, blk));
     CAPTURE(budget);
@@ -125,7 +125,7 @@ TEST_CASE("layout none: keep masks produced, nothing moves, nothing released") {
   const auto before = tc.take_snapshot();
   kvp::pipeline<kvp_test::first_element_scorer, none, none, kvp::select::top_k, none> p;
   p.protect = {.window = 0, .sinks = 0};
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 2}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 2}});
   int kept = 0;
   for (auto x : res.keep_masks[0]) kept += x;
   CHECK(kept == 4);  // 2 per head

@@ -32,7 +32,7 @@ outcome run_aggregate(const A& a, test_cache& tc, const std::vector<float>& s, i
   p.aggregate = a;
   p.protect = {.window = 0, .sinks = 0};
   const int T = tc.length(0);
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = T, .history_tokens = history}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = T, .history_tokens = history}});
   outcome o{res.scores[0], {}};
   for (int t = 0; t < T; ++t) o.f.push_back(tc.f(0, 0, t, 0));
   return o;
@@ -101,7 +101,7 @@ TEST_CASE("global score: max_norm divides S by its per-head max before combining
   tc3.set_key(0, 0, 1, 0, {4.0f});
   tc3.set_key(0, 0, 0, 1, {1.0f});
   tc3.set_key(0, 0, 1, 1, {0.25f});
-  const auto res = kvp_test::run_host(p, tc3, {{.seq = 0, .budget = 2}});
+  const auto res = kvp_test::run(p, tc3, {{.seq = 0, .budget = 2}});
   check_vec(res.scores[0], {0.5, 1.0, 1.0, 0.25});
 }
 
@@ -129,7 +129,7 @@ TEST_CASE("global score: F moves with its token through compaction, then serves 
   p.protect = {.window = 0, .sinks = 0};
   p.scorer = {s1.data()};
   const auto before = tc.take_snapshot();
-  auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 3}});
+  auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 3}});
   CHECK(res.new_lengths[0] == 3);
   CHECK(res.keep_masks[0] == std::vector<std::uint8_t>{1, 0, 1, 0, 1, 0});
   CHECK(res.released_blocks[0] == std::vector<int>{tc.block(0, 2)});
@@ -147,7 +147,7 @@ TEST_CASE("global score: F moves with its token through compaction, then serves 
   tc.randomize_tokens(0, 3, 5);
   const std::vector<float> s2{0.1f, 0.2f, 0.3f, 0.4f, 0.6f};
   p.scorer = {s2.data()};
-  res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 3, .history_tokens = 3}});
+  res = kvp_test::run(p, tc, {{.seq = 0, .budget = 3, .history_tokens = 3}});
   CHECK(res.keep_masks[0] == std::vector<std::uint8_t>{0, 1, 1, 0, 1});
   check_vec({res.scores[0][0], res.scores[0][1], res.scores[0][2], res.scores[0][3], res.scores[0][4]},
             {0.4, 0.72, 0.56, 0.4, 0.6});
@@ -160,7 +160,7 @@ TEST_CASE("global score with the R-KV scorer: non-candidates get no history") {
   kvp::pipeline<kvp::scorer::window_attention, agg::global_score, none, none, none> p;
   p.scorer = {.window = 2, .keys_before_window = true};
   p.protect = {.window = 2, .sinks = 0};
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 6}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 6}});
   for (int t = 0; t < 4; ++t) CHECK(tc.f(0, 0, t, 0) == res.scores[0][t]);
   CHECK(tc.f(0, 0, 4, 0) == 0.0f);
   CHECK(tc.f(0, 0, 5, 0) == 0.0f);

@@ -24,7 +24,7 @@ std::vector<float> pooled(const A& a, const std::vector<float>& s, int history =
   p.scorer = {s.data()};
   p.aggregate = a;
   p.protect = {.window = 0, .sinks = 0};
-  return kvp_test::run_host(p, tc, {{.seq = 0, .budget = T, .history_tokens = history}}).scores[0];
+  return kvp_test::run(p, tc, {{.seq = 0, .budget = T, .history_tokens = history}}).scores[0];
 }
 
 void check_vec(const std::vector<float>& got, const std::vector<double>& want) {
@@ -103,7 +103,7 @@ TEST_CASE("pool: clipped at the end of the candidates (R-KV scorer), not of the 
     p.scorer = {.window = w, .group = kvp::group_reduce::max_logits, .keys_before_window = true};
     p.aggregate = {.mode = iter % 2 ? agg::pool_mode::avg : agg::pool_mode::max, .kernel = 1 + 2 * (iter % 4)};
     p.protect = {.window = 0, .sinks = 0};
-    const auto got = kvp_test::run_host(p, tc, {{.seq = 0, .budget = T}}).scores[0];
+    const auto got = kvp_test::run(p, tc, {{.seq = 0, .budget = T}}).scores[0];
     std::vector<float> q;
     for (int j = 0; j < w; ++j)
       for (int g = 0; g < 2; ++g) {

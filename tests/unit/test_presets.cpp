@@ -130,8 +130,8 @@ TEST_CASE("presets: fields can be overridden") {
   };
   test_cache a = make(), b = make();
   const std::vector<kvp::batch_item> items{{.seq = 0, .query_slot = 1, .budget = 9}, {.seq = 1, .query_slot = 0, .budget = 6}};
-  const auto ra = kvp_test::run_host(z, a, items);
-  const auto rb = kvp_test::run_host(hand, b, items);
+  const auto ra = kvp_test::run(z, a, items);
+  const auto rb = kvp_test::run(hand, b, items);
   CHECK(ra.keep_masks == rb.keep_masks);
   CHECK(ra.scores == rb.scores);
   CHECK(a.take_snapshot().buffers == b.take_snapshot().buffers);
@@ -141,7 +141,7 @@ TEST_CASE("presets: fields can be overridden") {
   presets::zipage d;
   d.scorer.window = 4;
   d.protect.window = 4;
-  CHECK(kvp_test::run_host(d, c, items).scores != ra.scores);
+  CHECK(kvp_test::run(d, c, items).scores != ra.scores);
 }
 
 namespace {
@@ -163,7 +163,7 @@ void check_round(const P& p, test_cache& tc, const std::vector<kvp::batch_item>&
                                                       items[i].history_tokens));
   const auto before = tc.take_snapshot();
   const auto region = tc.batch_region(items, 0, L);
-  const auto res = kvp_test::run_host(p, tc, items);
+  const auto res = kvp_test::run(p, tc, items);
   for (std::size_t i = 0; i < items.size(); ++i) {
     const auto& it = items[i];
     const int T = before.lengths[it.seq];
@@ -270,7 +270,7 @@ TEST_CASE("presets end to end: zipage's second round combines F and skips poolin
   test_cache tc({.block_size = 4, .head_dim = 4, .lengths = {40}, .q_heads = 2, .window = 16, .seed = 4});
   presets::zipage z;
   z.redundancy.lambda = 1.0f;  // weighted form with lambda 1: S unchanged by redundancy
-  auto r1 = kvp_test::run_host(z, tc, {{.seq = 0, .budget = 24}});
+  auto r1 = kvp_test::run(z, tc, {{.seq = 0, .budget = 24}});
   tc.set_length(0, 30);
   tc.randomize_tokens(0, 24, 30);
   std::vector<float> f_hist;
@@ -278,8 +278,8 @@ TEST_CASE("presets end to end: zipage's second round combines F and skips poolin
   kvp::pipeline<kvp::scorer::window_attention, none, none, none, none> raw;
   raw.scorer = z.scorer;
   raw.protect = {.window = 0, .sinks = 0};
-  const auto s = kvp_test::run_host(raw, tc, {{.seq = 0, .budget = 30}}).scores[0];
-  const auto r2 = kvp_test::run_host(z, tc, {{.seq = 0, .budget = 24, .history_tokens = 24}});
+  const auto s = kvp_test::run(raw, tc, {{.seq = 0, .budget = 30}}).scores[0];
+  const auto r2 = kvp_test::run(z, tc, {{.seq = 0, .budget = 24, .history_tokens = 24}});
   for (int t = 0; t < 30 - 16; ++t) {
     CAPTURE(t);
     const float want = t < 24 ? std::max(0.8f * f_hist[t], s[t]) : s[t];

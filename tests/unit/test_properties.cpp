@@ -112,7 +112,7 @@ void check_invariants(const P& p, test_cache& tc, const setup& s, f_check fc, Ra
   const auto before = tc.take_snapshot();
   const auto kv_region = tc.batch_region(s.items, s.layer_begin, s.layer_end);
   const auto f_region = fc == f_check::untouched ? tc.no_region() : kv_region;
-  const auto res = kvp_test::run_host(p, tc, s.items, s.layer_begin, s.layer_count);
+  const auto res = kvp_test::run(p, tc, s.items, s.layer_begin, s.layer_count);
   const int H = tc.kv_heads(), b = tc.block_size();
   REQUIRE(res.new_lengths.size() == s.items.size());
   for (std::size_t i = 0; i < s.items.size(); ++i) {

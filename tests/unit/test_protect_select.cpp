@@ -35,7 +35,7 @@ kvp::host_result top_k_of(const std::vector<float>& s, int k, kvp::protect pr = 
   kvp::pipeline<table_scorer, none, none, kvp::select::top_k, none> p;
   p.scorer = {s.data()};
   p.protect = pr;
-  return kvp_test::run_host(p, tc, {{.seq = 0, .budget = k}});
+  return kvp_test::run(p, tc, {{.seq = 0, .budget = k}});
 }
 
 }  // namespace
@@ -69,7 +69,7 @@ TEST_CASE("protect: non-candidates of the R-KV scorer are +inf and kept") {
   kvp::pipeline<kvp::scorer::window_attention, none, none, kvp::select::top_k, none> p;
   p.scorer = {.window = 3, .keys_before_window = true};
   p.protect = {.window = 0, .sinks = 0};  // the candidates alone exclude the window
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 4}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 4}});
   for (int t = 4; t < 7; ++t) {
     CHECK(res.scores[0][t] == inf);
     CHECK(res.keep_masks[0][t] == 1);
@@ -134,7 +134,7 @@ TEST_CASE("sinks_recent: keeps the sinks and the most recent tokens") {
   kvp::pipeline<none, none, none, kvp::select::sinks_recent, none> p;
   p.select = {.sinks = 2};
   p.protect = {.window = 2, .sinks = 2};
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 5}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 5}});
   CHECK(res.keep_masks[0] == mask_of(10, {0, 1, 7, 8, 9}));
   const kvp::select::sinks_recent def;
   CHECK(def.sinks == 4);
@@ -167,8 +167,8 @@ TEST_CASE("sinks_recent equals no scorer + top-k with the sinks protected") {
     p1.protect = {.window = window, .sinks = sinks};
     kvp::pipeline<none, none, none, kvp::select::top_k, kvp::layout::compact> p2;
     p2.protect = {.window = window, .sinks = sinks};
-    const auto r1 = kvp_test::run_host(p1, a, {{.seq = 0, .budget = budget}});
-    const auto r2 = kvp_test::run_host(p2, c, {{.seq = 0, .budget = budget}});
+    const auto r1 = kvp_test::run(p1, a, {{.seq = 0, .budget = budget}});
+    const auto r2 = kvp_test::run(p2, c, {{.seq = 0, .budget = budget}});
     CHECK(r1.keep_masks == r2.keep_masks);
     CHECK(r1.new_lengths == r2.new_lengths);
     CHECK(r1.released_blocks == r2.released_blocks);
@@ -190,7 +190,7 @@ TEST_CASE("sinks_recent keeps every protected token, whatever its own sinks") {
   kvp::pipeline<none, none, none, kvp::select::sinks_recent, none> p;
   p.select = {.sinks = 1};
   p.protect = {.window = 2, .sinks = 3};
-  const auto res = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 6}});
+  const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 6}});
   const auto& m = res.keep_masks[0];
   for (int t : {0, 1, 2, 8, 9}) {
     CAPTURE(t);
@@ -204,8 +204,8 @@ TEST_CASE("sinks_recent keeps every protected token, whatever its own sinks") {
   // selector's unprotected sinks 1..3 give way.
   p.select = {.sinks = 4};
   p.protect = {.window = 3, .sinks = 1};
-  CHECK(kvp_test::run_host(p, tc, {{.seq = 0, .budget = 4}}).keep_masks[0] == mask_of(10, {0, 7, 8, 9}));
+  CHECK(kvp_test::run(p, tc, {{.seq = 0, .budget = 4}}).keep_masks[0] == mask_of(10, {0, 7, 8, 9}));
   // Two more slots go to the selector's sinks before recency (equal keys: the more
   // recent sinks 3 and 2 first).
-  CHECK(kvp_test::run_host(p, tc, {{.seq = 0, .budget = 6}}).keep_masks[0] == mask_of(10, {0, 2, 3, 7, 8, 9}));
+  CHECK(kvp_test::run(p, tc, {{.seq = 0, .budget = 6}}).keep_masks[0] == mask_of(10, {0, 2, 3, 7, 8, 9}));
 }

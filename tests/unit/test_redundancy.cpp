@@ -33,7 +33,7 @@ std::vector<float> redundancy_of(R r, test_cache& tc) {
   r.form = red::combine_form::weighted;
   p.redundancy = r;
   p.protect = {.window = 0, .sinks = 0};
-  auto s = kvp_test::run_host(p, tc, {{.seq = 0, .budget = tc.length(0)}}).scores[0];
+  auto s = kvp_test::run(p, tc, {{.seq = 0, .budget = tc.length(0)}}).scores[0];
   for (float& x : s) x = -x;
   return s;
 }
@@ -123,7 +123,7 @@ TEST_CASE("redundancy: combine forms and lambda") {
       p.scorer = {S.data()};
       p.redundancy = {.theta = 0.95f, .lambda = lambda, .form = form};
       p.protect = {.window = 0, .sinks = 0};
-      const auto got = kvp_test::run_host(p, tc, {{.seq = 0, .budget = 3}}).scores[0];
+      const auto got = kvp_test::run(p, tc, {{.seq = 0, .budget = 3}}).scores[0];
       std::vector<double> want;
       for (int t = 0; t < 3; ++t)
         want.push_back(form == red::combine_form::weighted ? lambda * S[t] - (1 - lambda) * R[t]

@@ -25,7 +25,7 @@ std::vector<float> scores_of(const S& scorer, test_cache& tc, int seq = 0, int s
   kvp::pipeline<S, none, none, none, none> p;
   p.scorer = scorer;
   p.protect = {.window = 0, .sinks = 0};
-  const auto res = kvp_test::run_host(p, tc, {{.seq = seq, .query_slot = slot, .budget = tc.length(seq)}});
+  const auto res = kvp_test::run(p, tc, {{.seq = seq, .query_slot = slot, .budget = tc.length(seq)}});
   REQUIRE(res.scores.size() == 1);
   CHECK(res.new_lengths[0] == tc.length(seq));
   return res.scores[0];
@@ -222,7 +222,7 @@ TEST_CASE("window / squared attention match the reference on random inputs") {
       kvp::pipeline<kvp::scorer::squared_attention, none, none, none, none> p;
       p.scorer = s;
       p.protect = {.window = 0, .sinks = 0};
-      got = kvp_test::run_host(p, tc, {{.seq = 1, .query_slot = slot, .budget = 1}}, layer, 1).scores[0];
+      got = kvp_test::run(p, tc, {{.seq = 1, .query_slot = slot, .budget = 1}}, layer, 1).scores[0];
     } else {
       rp.keys_before_window = pick(0, 2) == 0;
       const kvp::scorer::window_attention s{.window = w,
@@ -233,7 +233,7 @@ TEST_CASE("window / squared attention match the reference on random inputs") {
       kvp::pipeline<kvp::scorer::window_attention, none, none, none, none> p;
       p.scorer = s;
       p.protect = {.window = 0, .sinks = 0};
-      got = kvp_test::run_host(p, tc, {{.seq = 1, .query_slot = slot, .budget = 1}}, layer, 1).scores[0];
+      got = kvp_test::run(p, tc, {{.seq = 1, .query_slot = slot, .budget = 1}}, layer, 1).scores[0];
     }
     REQUIRE(got.size() == static_cast<std::size_t>(H) * T);
     for (int h = 0; h < H; ++h) {

@@ -15,6 +15,15 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
+// 2^x on the special function unit, results below 2^-126 flushed to zero: such a
+// softmax term differs from the host's subnormal by under 1.2e-38, and exp2f spends
+// four more instructions per call on that range.
+__device__ inline float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Keys per tile of the tensor-core scorer.
 inline constexpr int mma_key_tile = 64;
 
@@ -78,7 +87,11 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
-      for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i].y = 1.0f / stat[i].y;
+      for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) {
+        // (max, 1 / sum); a row that sees no key gets (0, 0), so its terms are 0, not NaN.
+        const float2 st = stat[i];
+        stat[i] = st.x == ninf ? float2{0.0f, 0.0f} : float2{st.x, 1.0f / st.y};
+      }
     loader.copy(cache, kbase, mma_key_tile, min(mma_key_tile, n), 0);
     cp_async_commit();
     int buf = 0;
@@ -110,6 +123,8 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
           }
         }
         // The thread's two query rows and their window positions, once per piece.
+        // Masked keys are -inf; scale * log2(e) is applied inside one FFMA with the
+        // row's max subtracted (max commutes with the positive scale).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + qi / G;
@@ -117,28 +132,39 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
             const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
-            z[2 * nt] = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] * scale : ninf;
-            z[2 * nt + 1] = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] * scale : ninf;
+            z[2 * nt] = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] : ninf;
+            z[2 * nt + 1] = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] : ninf;
           }
-          if (pass == 0 && !by_logits) {
+          if (by_logits) {
+            // Statistics per window position come after the group max, from shared memory.
+            float* zrow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+              *reinterpret_cast<float2*>(zrow + nt * 8) = {z[2 * nt] * scale, z[2 * nt + 1] * scale};
+          } else if (pass == 0) {
             // Statistics straight from the fragments: the quad holds the row's 32 keys.
             float m = ninf;
 #pragma unroll
             for (int k = 0; k < 8; ++k) m = fmaxf(m, z[k]);
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const float ms = m == ninf ? 0.0f : m * scale;  // all masked: every term is 0
             float e = 0.0f;
-            if (m != ninf) {
 #pragma unroll
-              for (int k = 0; k < 8; ++k) e += z[k] == ninf ? 0.0f : exp2f(z[k] - m);
-            }
+            for (int k = 0; k < 8; ++k) e += exp2_ftz(fmaf(z[k], scale, -ms));
             e += __shfl_xor_sync(0xffffffffu, e, 1);
             e += __shfl_xor_sync(0xffffffffu, e, 2);
-            if (lane % 4 == 0) half_stat[2 * qi + piece % 2] = {m, e};
+            if (lane % 4 == 0) half_stat[2 * qi + piece % 2] = {m == ninf ? ninf : ms, e};
           } else {
-            float* zrow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
+            // Probabilities in the fragments; the window and group reduces read them.
+            const float2 st = qi < QW ? stat[qi] : float2{0.0f, 0.0f};
+            float* prow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(zrow + nt * 8) = {z[2 * nt], z[2 * nt + 1]};
+            for (int nt = 0; nt < 4; ++nt) {
+              const float p0 = s.transform(exp2_ftz(fmaf(z[2 * nt], scale, -st.x)) * st.y);
+              const float p1 = s.transform(exp2_ftz(fmaf(z[2 * nt + 1], scale, -st.x)) * st.y);
+              *reinterpret_cast<float2*>(prow + nt * 8) = {p0, p1};
+            }
           }
         }
       }
@@ -205,10 +231,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
           } else {
             float gacc = s.group == group_reduce::max ? ninf : 0.0f;
             for (std::int32_t g = 0; g < G; ++g) {
-              const std::int32_t qi = j * G + g;
-              const float z = zs[std::size_t(qi) * zp + key];
-              const float2 st = stat[qi];
-              const float p = s.transform(z == ninf ? 0.0f : exp2f(z - st.x) * st.y);
+              const float p = zs[std::size_t(j * G + g) * zp + key];
               gacc = s.group == group_reduce::max ? fmaxf(gacc, p) : gacc + p;
             }
             acc += s.group == group_reduce::mean ? gacc / static_cast<float>(G) : gacc;
