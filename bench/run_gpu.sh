@@ -8,7 +8,7 @@
 # .deps/root/usr (Debian's libfmt-dev / libbenchmark-dev) when present.
 #   --quick   only the copy, e2e/zipage/A, stage/zipage/A, scale_tokens/zipage/2304 and
 #             redundancy/*/2304 rows, and the reference at T = 2304 only
-# Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90).
+# Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90a).
 # Writes: bench.json, reference.json (bf16), reference_fp32.json (fp32 mask check),
 #         configure.log, build.log, bench.log, reference*.log, run.log, nvidia-smi.txt
 set -uo pipefail
@@ -31,7 +31,7 @@ if [[ ! -f "$ROOT/bench/compress_bench.cu" ]]; then
 fi
 BUILD=${BUILD_DIR:-$ROOT/build}
 JOBS=${JOBS:-16}
-ARCH=${CUDA_ARCH:-90}
+ARCH=${CUDA_ARCH:-90a}
 DEPS=$ROOT/.deps/root/usr
 PREFIX_ARGS=()
 if [[ -d "$DEPS" ]]; then

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
   auto* u_inv = reinterpret_cast<float*>(vbase + 2 * tile_elems);
   float* v_inv_base = u_inv + full_mma_columns;
 
-  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, pitch);
+  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
   loader.copy(cache, us, full_mma_columns, u_count, u_pos0);
   loader.copy(cache, vbase, full_mma_keys, min(full_mma_keys, n), 0);
   cp_async_commit();
@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
     __syncthreads();
     const std::uint16_t* vs = vbase + buf * tile_elems;
     float* v_inv = v_inv_base + buf * full_mma_keys;
-    if (v_pos0 == 0) inverse_norms_16<Elem>(us, u_inv, u_count, d, pitch, eps);
-    inverse_norms_16<Elem>(vs, v_inv, v_count, d, pitch, eps);
+    if (v_pos0 == 0) inverse_norms_16<Elem>(us, u_inv, u_count, d, padded_rows{pitch}, eps);
+    inverse_norms_16<Elem>(vs, v_inv, v_count, d, padded_rows{pitch}, eps);
     __syncthreads();
     if (v_pos0 == 0) {
       st.inv[0] = u[0] < u_count ? u_inv[u[0]] : 0.0f;

@@ -1,8 +1,9 @@
 // Lightning redundancy on tensor cores for f16/bf16 caches: the b x b Gram matrix of
-// one cache block in 16 x 64 tiles with mma.sync, scaled by the inverse norms in
-// fp32, and reduced to row sums and newest similar neighbours without leaving
-// registers. Three blocks per SM fit in shared memory (b = 256, d = 128), so the
-// register cap is that of three.
+// one cache block, a warp's share in 16 x 64 tiles (wgmma on sm_90a, where each
+// warpgroup takes 64 rows; mma.sync elsewhere), scaled by the inverse norms in fp32
+// and reduced to row sums and newest similar neighbours without leaving registers.
+// Three blocks per SM fit in shared memory (b = 256, d = 128), so the register cap
+// is that of three.
 #pragma once
 
 #include <cstdint>
@@ -14,16 +15,21 @@
 #include "kvpolicy/exec/cuda/mma.cuh"
 #include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
+#include "kvpolicy/exec/cuda/wgmma.cuh"
 #include "kvpolicy/pipeline/traits.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-// Shared memory, in bytes: the block's keys [round16(b)][d + 8] (16-bit), and per key
-// its inverse norm, row sum, newest neighbour and that similarity.
+KVP_HOST_DEVICE constexpr std::int32_t round64(std::int32_t x) { return (x + 63) / 64 * 64; }
+
+// Shared memory, in bytes, enough for either path: the block's keys (16-bit; mma.sync:
+// [round16(b)][d + 8]; wgmma: round64(b) rows in core matrices), and per key its
+// inverse norm, row sum, newest neighbour and that similarity.
 KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t block, std::int32_t d) {
-  const std::size_t rows = static_cast<std::size_t>(round16(block));
-  return rows * (std::size_t(d) + 8) * 2 + 4 * rows * 4;
+  const std::size_t padded = static_cast<std::size_t>(round16(block)) * (std::size_t(d) + 8) * 2;
+  const std::size_t core = static_cast<std::size_t>(round64(block)) * std::size_t(d) * 2;
+  return (padded > core ? padded : core) + 4 * static_cast<std::size_t>(round64(block)) * 4;
 }
 
 template <class P, dtype Elem>
@@ -37,31 +43,49 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
   if (pos0 >= n) return;
-  const std::int32_t count = min(b, n - pos0), rows = round16(count), d = cache.head_dim, pitch = d + 8;
+  const std::int32_t count = min(b, n - pos0), d = cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float theta = p.redundancy.theta;
+#if KVP_CUDA_WGMMA
+  // Warpgroups take 64-row tiles (a warp 16 rows of them); keys in wgmma's layout.
+  const std::int32_t rows = round64(count), first_tile = warp / 4 * 64, tile_step = warps / 4 * 64;
+  const std::int32_t warp_row = warp % 4 * 16;
+  const core_matrices at{d};
+#else
+  // Warps take 16-row tiles; keys padded for ldmatrix.
+  const std::int32_t rows = round16(count), first_tile = warp * 16, tile_step = warps * 16, warp_row = 0;
+  const padded_rows at{d + 8};
+#endif
 
   auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
-  auto* inv = reinterpret_cast<float*>(keys + std::size_t(rows) * pitch);
+  auto* inv = reinterpret_cast<float*>(keys + at(rows, 0));
   float* rowsum = inv + rows;
   auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
   float* newest_c = reinterpret_cast<float*>(newest + rows);
 
-  key_tile_loader(cache, rc.layer, it.seq, rc.head, pitch).copy(cache, keys, rows, count, pos0);
+  // Rows past count are zero, so the tiles past it add nothing.
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
   cp_async_commit();
   cp_async_wait<0>();
+  fence_async_shared();
   __syncthreads();
-  inverse_norms_16<Elem>(keys, inv, count, d, pitch, p.redundancy.eps);
+  inverse_norms_16<Elem>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
 
-  for (std::int32_t m0 = warp * 16; m0 < rows; m0 += warps * 16) {
+  for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
+    // This warp's 16 rows of the tile, and the lane's two of them.
+    const std::int32_t m0 = t0 + warp_row;
     const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
     similarity_rows st;
-    st.inv[0] = inv[u[0]];
-    st.inv[1] = inv[u[1]];
+    st.inv[0] = u[0] < count ? inv[u[0]] : 0.0f;
+    st.inv[1] = u[1] < count ? inv[u[1]] : 0.0f;
     for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
       float acc[8][4] = {};
-      gram_tile<Elem>(acc, keys + std::size_t(m0) * pitch, keys + std::size_t(v0) * pitch, rows - v0, d, pitch);
+#if KVP_CUDA_WGMMA
+      wgmma_gram_64x64<Elem>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
+#else
+      gram_tile<Elem>(acc, keys + at(m0, 0), keys + at(v0, 0), rows - v0, d, at.pitch);
+#endif
       // Bounds and the diagonal are tested only in the tiles that need them.
       const std::int32_t diag[2] = {u[0] - v0, u[1] - v0};
       if (v0 + gram_tile_columns <= count && (v0 >= m0 + 16 || m0 >= v0 + gram_tile_columns))

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/dtype.hpp"
@@ -62,40 +63,68 @@ KVP_HOST_DEVICE constexpr bool row_groups_fit(std::int32_t d) {
   return d % 16 == 0 && (vecs >= 32 ? vecs % 32 == 0 : (vecs & (vecs - 1)) == 0);
 }
 
+// Where chunk c (16 bytes, 8 elements) of row r of a tile of 16-bit rows lives in
+// shared memory, as an element offset. padded_rows: row-major with a pitch of
+// d + 8, so the 8 rows of an ldmatrix fall on distinct banks.
+struct padded_rows {
+  std::int32_t pitch;
+  __device__ std::size_t operator()(std::int32_t r, std::int32_t c) const {
+    return std::size_t(r) * pitch + std::size_t(c) * 8;
+  }
+};
+// core_matrices: wgmma's K-major layout without swizzle. A core matrix is 8 rows x 8
+// elements in 128 contiguous bytes; those of one row group follow each other along
+// d (128 bytes apart), and row groups are d * 16 bytes apart.
+struct core_matrices {
+  std::int32_t d;
+  __device__ std::size_t operator()(std::int32_t r, std::int32_t c) const {
+    return std::size_t(r >> 3) * (std::size_t(d) * 8) + std::size_t(c) * 64 + (r & 7) * 8;
+  }
+};
+
 // Loads `count` rows of d 16-bit elements (row r from row_of(r)) into shared memory
-// with pitch `pitch` elements, rows [count, rows) zero-filled, asynchronously. A
-// group of lanes takes a row, so each row's address (block table lookup) is
-// computed once per group, not once per chunk.
-template <class RowOf>
+// laid out by `at`, rows [count, rows) zero-filled, asynchronously. A group of lanes
+// takes a row, so each row's address (block table lookup) is computed once per
+// group, not once per chunk.
+template <class Layout, class RowOf>
 __device__ inline void copy_rows_async(std::uint16_t* dst, std::int32_t rows, std::int32_t count, std::int32_t d,
-                                       std::int32_t pitch, RowOf row_of) {
+                                       Layout at, RowOf row_of) {
   const std::int32_t vecs = d / 8, group = lanes_per_row(d);
   const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % group;
   const std::int32_t step = static_cast<std::int32_t>(blockDim.x) / group;
   for (std::int32_t r = static_cast<std::int32_t>(threadIdx.x) / group; r < rows; r += step) {
     const bool real = r < count;
     const std::byte* src = row_of(real ? r : 0);
-    for (std::int32_t v = lane; v < vecs; v += group)
-      cp_async_16(dst + std::size_t(r) * pitch + v * 8, src + std::size_t(v) * 16, real ? 16 : 0);
+    for (std::int32_t v = lane; v < vecs; v += group) cp_async_16(dst + at(r, v), src + std::size_t(v) * 16, real ? 16 : 0);
   }
 }
 
 // Copies tiles of the keys of one (layer, seq, head) row of a paged cache into
-// shared memory ([rows][pitch] 16-bit, rows past `count` zero-filled), with cp.async.
+// shared memory (laid out by Layout, rows past `count` zero-filled), with cp.async.
 // What stays the same from tile to tile (the thread's chunk of a row, the layer's
 // base, strides) is computed once. A tile inside one cache block (the usual case:
 // block sizes are multiples of the tile) costs one block-table read; each thread
-// keeps one chunk column and walks the rows by pointer increments.
+// keeps one chunk column and walks the rows by a fixed stride. Threads are mapped
+// so that 8 adjacent ones write 128 contiguous bytes or distinct banks.
+template <class Layout>
 class key_tile_loader {
  public:
   __device__ key_tile_loader(const paged_kv_view& cache, std::int32_t layer, std::int32_t seq, std::int32_t head,
-                             std::int32_t pitch)
-      : layer_(layer), seq_(seq), head_(head), pitch_(pitch) {
+                             Layout at)
+      : layer_(layer), seq_(seq), head_(head), at_(at) {
     const std::int32_t vecs = cache.head_dim / 8, tid = static_cast<std::int32_t>(threadIdx.x);
-    strided_ = static_cast<std::int32_t>(blockDim.x) % vecs == 0;
-    step_ = static_cast<std::int32_t>(blockDim.x) / vecs;
-    row0_ = tid / vecs;
-    chunk_ = tid % vecs;
+    const auto threads = static_cast<std::int32_t>(blockDim.x);
+    step_ = threads / vecs;
+    if constexpr (std::is_same_v<Layout, core_matrices>) {
+      // 8 adjacent threads take one chunk of 8 adjacent rows: one core matrix.
+      strided_ = threads % (8 * vecs) == 0;
+      row0_ = tid / (8 * vecs) * 8 + tid % 8;
+      chunk_ = tid / 8 % vecs;
+    } else {
+      strided_ = threads % vecs == 0;
+      row0_ = tid / vecs;
+      chunk_ = tid % vecs;
+    }
     base_ = cache.k.layer(layer, cache.type) + cache.k_stride.head * head * size_of(cache.type);
     stride_ = cache.k_stride.token * size_of(cache.type);
   }
@@ -107,7 +136,7 @@ class key_tile_loader {
                        std::int32_t pos0) const {
     const std::int32_t blk = pos0 / c.block_size, slot = pos0 - blk * c.block_size;
     if (!strided_ || slot + count > c.block_size) {
-      copy_rows_async(dst, rows, count, c.head_dim, pitch_, [&](std::int32_t r) -> const std::byte* {
+      copy_rows_async(dst, rows, count, c.head_dim, at_, [&](std::int32_t r) -> const std::byte* {
         return c.k_row(layer_, seq_, pos0 + r, head_);
       });
       return;
@@ -115,13 +144,13 @@ class key_tile_loader {
     const std::int64_t first = c.k_stride.block * c.table.block(seq_, blk) + c.k_stride.token * slot;
     std::int32_t r = row0_;
     const std::byte* src = base_ + first * size_of(c.type) + r * stride_ + chunk_ * 16;
-    std::uint16_t* out = dst + std::size_t(r) * pitch_ + chunk_ * 8;
-    for (; r < count; r += step_, src += step_ * stride_, out += std::size_t(step_) * pitch_) cp_async_16(out, src, 16);
-    for (; r < rows; r += step_, out += std::size_t(step_) * pitch_) *reinterpret_cast<uint4*>(out) = uint4{0, 0, 0, 0};
+    for (; r < count; r += step_, src += step_ * stride_) cp_async_16(dst + at_(r, chunk_), src, 16);
+    for (; r < rows; r += step_) *reinterpret_cast<uint4*>(dst + at_(r, chunk_)) = uint4{0, 0, 0, 0};
   }
 
  private:
-  std::int32_t layer_, seq_, head_, pitch_;
+  std::int32_t layer_, seq_, head_;
+  Layout at_;
   bool strided_;
   std::int32_t step_, row0_, chunk_;
   const std::byte* base_;
@@ -145,19 +174,18 @@ __device__ inline void widen8(const uint4& raw, float (&x)[8]) {
   }
 }
 
-// Inverse norms of `count` rows of 16-bit keys in shared memory, a thread per row
-// summing in element order as the host does (rows [count, round16(count)) get 0).
-// With the 8-element row pad, the 16-byte reads of 8 adjacent rows hit distinct banks.
-template <dtype Elem>
+// Inverse norms of `count` rows of 16-bit keys in shared memory (laid out by `at`),
+// a thread per row summing in element order as the host does; rows [count,
+// round16(count)) get 0. 8 adjacent rows' chunks are on distinct banks in both layouts.
+template <dtype Elem, class Layout>
 __device__ inline void inverse_norms_16(const std::uint16_t* keys, float* inv, std::int32_t count, std::int32_t d,
-                                        std::int32_t pitch, float eps) {
+                                        Layout at, float eps) {
   const std::int32_t rows = (count + 15) / 16 * 16;
   for (auto r = static_cast<std::int32_t>(threadIdx.x); r < rows; r += static_cast<std::int32_t>(blockDim.x)) {
-    const auto* row = reinterpret_cast<const uint4*>(keys + std::size_t(r) * pitch);
     float ss = 0.0f;
     for (std::int32_t v = 0; v < d / 8; ++v) {
       float x[8];
-      widen8<Elem>(row[v], x);
+      widen8<Elem>(*reinterpret_cast<const uint4*>(keys + at(r, v)), x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
     }

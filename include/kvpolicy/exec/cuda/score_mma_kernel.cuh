@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
     *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
   }
   for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i] = {ninf, 0.0f};
-  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, pitch);
+  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
