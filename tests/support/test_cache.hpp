@@ -225,7 +225,9 @@ class test_cache {
   kvp::cache_shape shape() const noexcept {
     return {cfg_.layers, cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads, cfg_.head_dim, cfg_.type};
   }
-  kvp::sequence_table sequences() const noexcept { return sequences_over(table_.data(), indptr_.data(), lengths_.data()); }
+  kvp::sequence_table sequences() const noexcept {
+    return sequences_over(table_.data(), indptr_.data(), lengths_.data());
+  }
   kvp::paged_kv_view view() {
     return view_over({buffers_[0].data(), k_layers_.data(), v_layers_.data(), table_.data(), indptr_.data(),
                       lengths_.data()});
@@ -253,7 +255,8 @@ class test_cache {
     return out;
   }
   kvp::sequence_table sequences_over(const i32* table, const i32* indptr, const i32* lengths) const noexcept {
-    const auto t = cfg_.csr ? kvp::block_table_view::csr(indptr, table) : kvp::block_table_view::dense(table, row_stride_);
+    const auto t =
+        cfg_.csr ? kvp::block_table_view::csr(indptr, table) : kvp::block_table_view::dense(table, row_stride_);
     return {t, lengths, num_seqs()};
   }
   kvp::paged_kv_view view_over(const array_bases& a) const {

@@ -21,8 +21,6 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-KVP_HOST_DEVICE constexpr std::int32_t round64(std::int32_t x) { return (x + 63) / 64 * 64; }
-
 // Shared memory, in bytes, enough for either path: the block's keys (16-bit; mma.sync:
 // [round16(b)][d + 8]; wgmma: round64(b) rows in core matrices), and per key its
 // inverse norm, row sum, newest neighbour and that similarity.
@@ -82,7 +80,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
     for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
       float acc[8][4] = {};
 #if KVP_CUDA_WGMMA
-      wgmma_gram_64x64<Elem>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
+      wgmma_gram<Elem, gram_tile_columns>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
 #else
       gram_tile<Elem>(acc, keys + at(m0, 0), keys + at(v0, 0), rows - v0, d, at.pitch);
 #endif

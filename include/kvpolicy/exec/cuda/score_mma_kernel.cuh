@@ -28,6 +28,7 @@ __device__ inline float exp2_ftz(float x) {
 inline constexpr int mma_key_tile = 64;
 
 KVP_HOST_DEVICE constexpr std::int32_t round16(std::int32_t x) { return (x + 15) / 16 * 16; }
+KVP_HOST_DEVICE constexpr std::int32_t round64(std::int32_t x) { return (x + 63) / 64 * 64; }
 // Four threads per statistics row; the loop bound keeps every quad whole.
 KVP_HOST_DEVICE constexpr std::int32_t round_up4(std::int32_t rows) { return (rows * 4 + 255) / 256 * 256; }
 

@@ -1,4 +1,4 @@
-// Hopper warpgroup MMA (wgmma, sm_90a): 64 x 64 x 16 tiles with fp32 accumulators
+// Hopper warpgroup MMA (wgmma, sm_90a): 64 x N x 16 tiles (N = 32, 64) with fp32 accumulators
 // on f16/bf16 operands read straight from shared memory in the core_matrices layout
 // (mma.cuh). Four warps issue it together and it runs asynchronously, so no
 // ldmatrix is spent on operands. Device code compiled for any other target gets
@@ -53,54 +53,72 @@ __device__ inline void fence_async_shared() {
 #endif
 }
 
-// acc (+)= A B^T for A = 64 rows at desc_a and B = 64 rows at desc_b, k = 16; acc
-// is the warp's 16 rows x 64 columns in mma.sync's C-fragment order ([8][4]).
+// acc (+)= A B^T for A = 64 rows at desc_a and B = N rows at desc_b, k = 16; acc is
+// the warp's 16 rows x N columns in mma.sync's C-fragment order ([N / 8][4]).
 // `accumulate` false overwrites acc.
-template <dtype T>
-__device__ inline void wgmma_64x64x16(float (&acc)[8][4], std::uint64_t desc_a, std::uint64_t desc_b, bool accumulate) {
+#define KVP_WGMMA_OUT8(c, i)                                                                             \
+  "+f"(c[i]), "+f"(c[i + 1]), "+f"(c[i + 2]), "+f"(c[i + 3]), "+f"(c[i + 4]), "+f"(c[i + 5]), "+f"(c[i + 6]), \
+      "+f"(c[i + 7])
+template <dtype T, int N>
+__device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_a, std::uint64_t desc_b,
+                                     bool accumulate) {
   static_assert(T == dtype::bf16 || T == dtype::f16);
+  static_assert(N == 32 || N == 64);
 #if KVP_CUDA_WGMMA
   float* c = &acc[0][0];
-#define KVP_WGMMA_ASM(TYPE)                                                                                          \
-  asm volatile(                                                                                                     \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                  \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                             \
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
-      "%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                                                 \
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7]),          \
-        "+f"(c[8]), "+f"(c[9]), "+f"(c[10]), "+f"(c[11]), "+f"(c[12]), "+f"(c[13]), "+f"(c[14]), "+f"(c[15]),    \
-        "+f"(c[16]), "+f"(c[17]), "+f"(c[18]), "+f"(c[19]), "+f"(c[20]), "+f"(c[21]), "+f"(c[22]), "+f"(c[23]),  \
-        "+f"(c[24]), "+f"(c[25]), "+f"(c[26]), "+f"(c[27]), "+f"(c[28]), "+f"(c[29]), "+f"(c[30]), "+f"(c[31])   \
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
-  if constexpr (T == dtype::bf16) {
-    KVP_WGMMA_ASM("bf16");
+  const int scale_d = accumulate;
+  if constexpr (N == 64 && T == dtype::bf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+                 "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  } else if constexpr (N == 64) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+                 "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  } else if constexpr (T == dtype::bf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+                 "%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   } else {
-    KVP_WGMMA_ASM("f16");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+                 "%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
-#undef KVP_WGMMA_ASM
 #else
   (void)acc, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();  // callers test KVP_CUDA_WGMMA first
 #endif
 }
+#undef KVP_WGMMA_OUT8
 
 // Keeps the compiler from moving accesses of acc across the asynchronous MMA.
-__device__ inline void wgmma_fence_operands(float (&acc)[8][4]) {
+template <int Tiles>
+__device__ inline void wgmma_fence_operands(float (&acc)[Tiles][4]) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < Tiles; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
 }
 
-// acc = A B^T over d (a multiple of 16) for the 64 rows at `a` and at `b` (both in
-// core_matrices layout for this d): issued by a whole warpgroup, waited for here.
-template <dtype Elem>
-__device__ inline void wgmma_gram_64x64(float (&acc)[8][4], const std::uint16_t* a, const std::uint16_t* b,
-                                        std::int32_t d) {
+// acc = A B^T over d (a multiple of 16) for the 64 rows at `a` and the N rows at `b`
+// (both in core_matrices layout for this d): issued by a whole warpgroup, waited
+// for here. Each warp gets its 16 rows of A against all N columns.
+template <dtype Elem, int N>
+__device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
+                                  std::int32_t d) {
   const std::uint64_t da = wgmma_descriptor(a, d), db = wgmma_descriptor(b, d);
   wgmma_fence_operands(acc);
   wgmma_fence();  // acc was last touched by ordinary instructions
-  for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64x64x16<Elem>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
+  for (std::int32_t k = 0; k < d / 16; ++k)
+    wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
   wgmma_commit();
   wgmma_wait_all();
   wgmma_fence_operands(acc);
