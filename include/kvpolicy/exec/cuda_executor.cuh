@@ -320,7 +320,10 @@ struct cuda_executor {
 
   template <class Kernel, class... Args>
   void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem, Args... args) const {
-    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    // Dynamic shared memory beyond 48 KB minus the kernel's static shared memory (CUB's
+    // scans, say) needs the opt-in; any launch that asks for some opts in, so a
+    // request just under 48 KB does not fail on top of static storage.
+    if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, stream>>>(args...);
   }
 };
