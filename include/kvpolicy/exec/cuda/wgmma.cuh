@@ -117,19 +117,21 @@ __device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a
   const std::uint64_t da = wgmma_descriptor(a, d), db = wgmma_descriptor(b, d);
   wgmma_fence_operands(acc);
   wgmma_fence();  // acc was last touched by ordinary instructions
-  // Unrolled for the common head dims: in a loop with a run-time count, ptxas waits
-  // for each MMA before issuing the next.
+  // Unrolled: in a loop with a run-time count, ptxas waits for each MMA before
+  // issuing the next. Head dims past 256 (rare) take that slower loop.
   const auto steps = [&]<int K>() {
 #pragma unroll
     for (int k = 0; k < K; ++k) wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
   };
-  if (d == 128) {
-    steps.template operator()<8>();
-  } else if (d == 64) {
-    steps.template operator()<4>();
-  } else {
-    for (std::int32_t k = 0; k < d / 16; ++k)
-      wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
+  switch (d) {
+    case 16: steps.template operator()<1>(); break;
+    case 32: steps.template operator()<2>(); break;
+    case 64: steps.template operator()<4>(); break;
+    case 128: steps.template operator()<8>(); break;
+    case 256: steps.template operator()<16>(); break;
+    default:
+      for (std::int32_t k = 0; k < d / 16; ++k)
+        wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
   }
   wgmma_commit();
   wgmma_wait_all();
