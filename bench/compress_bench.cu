@@ -4,6 +4,8 @@
 // Rows (bench/README.md explains each):
 //   copy                            device-to-device cudaMemcpyAsync of 1 GiB: the bandwidth roof
 //   e2e/<preset>/A                  configuration A, one compression, end to end, per preset
+//   e2e_overlap<G>/zipage/A         the same with the items in G groups over two streams
+//                                   (cuda_executor::overlap_stream), G = 2, 4
 //   stage/zipage/A                  configuration A, zipage, per-stage times from the stage marks
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
@@ -345,11 +347,23 @@ struct bench_case {
     temp = dbuf(std::max<std::size_t>(bytes, 256));
   }
 
+  // Overlap: a second stream and the fork and join events, used when groups > 1.
+  struct overlap {
+    cudaStream_t side = nullptr;
+    cudaEvent_t* events = nullptr;
+    std::int32_t groups = 0;
+  };
+
   template <class P>
-  cudaError_t compress(const P& p, cudaEvent_t* marks, bool with_keep = false) {
+  cudaError_t compress(const P& p, cudaEvent_t* marks, bool with_keep = false, overlap o = {}) {
     kvp::cuda_executor ex;
     ex.stream = stream;
     ex.stage_marks = marks;
+    if (o.groups > 1) {
+      ex.overlap_stream = o.side;
+      ex.overlap_events = o.events;
+      ex.overlap_groups = o.groups;
+    }
     kvp::device_result r = result;
     if (with_keep) r.keep_masks = keep.get<std::uint8_t>();
     std::size_t bytes = temp.bytes();
@@ -428,7 +442,7 @@ void set_rate(benchmark::State& state, const std::string& prefix, double bytes, 
 // whole compression (e2e, stage) or the redundancy stage alone (redundancy); the
 // cache is restored before each iteration, outside the timed region.
 template <class P>
-void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind) {
+void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind, std::int32_t groups = 0) {
   try {
     s.window = std::max(s.window, kvp::scorer_window(p.scorer));
     stream_guard stream;
@@ -442,13 +456,17 @@ void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind)
     std::array<cudaEvent_t, 5> marks{};
     for (int i = 0; i < 5; ++i) marks[i] = mark_events[i];
     const bool use_marks = kind != row_kind::e2e;
+    stream_guard side;
+    event fork, join;
+    std::array<cudaEvent_t, 2> fork_join{fork, join};
+    const bench_case::overlap o{side, fork_join.data(), groups};
 
     double e2e_s = 0.0;
     std::array<double, 4> stage_s{};  // score, redundancy, epilogue, layout
     for (auto _ : state) {
       bc.restore();
       KVP_BENCH_CHECK(cudaEventRecord(start, stream));
-      KVP_BENCH_CHECK(bc.compress(p, use_marks ? marks.data() : nullptr));
+      KVP_BENCH_CHECK(bc.compress(p, use_marks ? marks.data() : nullptr, false, o));
       KVP_BENCH_CHECK(cudaEventRecord(stop, stream));
       KVP_BENCH_CHECK(cudaEventSynchronize(stop));
       const double e2e = elapsed_ms(start, stop) * 1e-3;
@@ -548,8 +566,11 @@ struct zipage_full
 };
 
 template <class P>
-void add_row(const std::string& name, const P& p, const shape& s, row_kind kind, int iterations) {
-  benchmark::RegisterBenchmark(name.c_str(), [p, s, kind](benchmark::State& st) { bench_pipeline(st, p, s, kind); })
+void add_row(const std::string& name, const P& p, const shape& s, row_kind kind, int iterations,
+             std::int32_t overlap_groups = 0) {
+  benchmark::RegisterBenchmark(name.c_str(), [p, s, kind, overlap_groups](benchmark::State& st) {
+    bench_pipeline(st, p, s, kind, overlap_groups);
+  })
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond)
       ->Iterations(iterations);
@@ -568,6 +589,9 @@ void register_all() {
   add_row("e2e/streaming_llm/A", kvp::presets::streaming_llm{}, a, row_kind::e2e, 30);
   add_row("e2e/gkv/A", kvp::presets::gkv{}, a, row_kind::e2e, 3);
   add_row("e2e/rkv/A", kvp::presets::rkv{}, a, row_kind::e2e, 3);
+  // Overlapped: one group's compaction beside the next group's scoring.
+  for (std::int32_t groups : {2, 4})
+    add_row("e2e_overlap" + std::to_string(groups) + "/zipage/A", kvp::presets::zipage{}, a, row_kind::e2e, 30, groups);
 
   // Per stage, configuration A, zipage.
   add_row("stage/zipage/A", kvp::presets::zipage{}, a, row_kind::stage, 30);

@@ -34,7 +34,7 @@ struct parity_report {
 
 template <class P>
 void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp::batch_item>& items,
-                  parity_report& rep, bool tensor_cores) {
+                  parity_report& rep, bool tensor_cores, std::int32_t overlap_groups = 0) {
   gpu_case c(cfg);
   const std::int32_t H = cfg.kv_heads, L = cfg.layers;
   std::int32_t max_tokens = 0;
@@ -51,8 +51,22 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   device_outputs out(items, max_tokens, L * H, c.max_blocks);
   kvp::cuda_executor cx;
   cx.tensor_cores = tensor_cores;
+  // Overlap: item groups alternate between the default stream and a second one.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork_join[2] = {};
+  if (overlap_groups > 1) {
+    REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    for (auto& e : fork_join) REQUIRE_EQ(cudaSuccess, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    cx.overlap_stream = side;
+    cx.overlap_events = fork_join;
+    cx.overlap_groups = overlap_groups;
+  }
   REQUIRE_EQ(cudaSuccess, out.run(cx, preset, dev));
   REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  if (side) {
+    cudaStreamDestroy(side);
+    for (auto e : fork_join) cudaEventDestroy(e);
+  }
   const auto status = to_host(out.status);
   REQUIRE_MESSAGE(status[0] == 0, "device status ", status[0]);
   const auto keep = to_host(out.keep);
@@ -119,7 +133,7 @@ int scaled(int cases) {
 
 template <class P>
 void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep,
-                bool tensor_cores = true) {
+                bool tensor_cores = true, std::int32_t overlap_groups = 0) {
   std::mt19937 rng(seed0);
   cases = scaled(cases);
   const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128}, groups[] = {1, 4, 8};
@@ -155,7 +169,7 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
     std::shuffle(items.begin(), items.end(), rng);
     INFO(std::string(name), " case ", k, ": b ", b, " d ", cfg.head_dim, " h_kv ", cfg.kv_heads, " h_q ", cfg.q_heads, " ",
          kvp::name_of(cfg.type), " layout ", static_cast<int>(cfg.layout), " lengths ", cfg.lengths[0]);
-    check_parity(preset, cfg, items, rep, tensor_cores);
+    check_parity(preset, cfg, items, rep, tensor_cores, overlap_groups);
   }
 }
 
@@ -179,6 +193,8 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   run_random("gkv/sum/mean/sinks", mean_sum, 20, 8, rep);
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
+  run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);
+  run_random("rkv/overlap", kvp::presets::rkv{}, 15, 12, rep, true, 2);
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences, max |score error| {:.3g}"), rep.tokens,
                       rep.mask_mismatches, rep.max_score_error));
 }

@@ -80,6 +80,15 @@ struct cuda_executor {
   // Q.K^T and K.K^T on tensor cores when the cache is f16/bf16 (and the queries of
   // the same type) and head_dim is a multiple of 16; false forces the fp32 FMA kernels.
   bool tensor_cores = true;
+  // Optional overlap. Given a second stream and two events (fork, join), the batch's
+  // items are split into `overlap_groups` groups whose stages alternate between
+  // `stream` and `overlap_stream`: one group's compaction, bound by memory, runs
+  // beside the next group's scoring, bound by arithmetic. Groups touch disjoint
+  // sequences, so the results are the same; the fork and join are events, so a
+  // capture records both branches. stage_marks 1 to 3 are then recorded with 4.
+  cudaStream_t overlap_stream = nullptr;
+  cudaEvent_t* overlap_events = nullptr;  // [2]
+  std::int32_t overlap_groups = 2;
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
@@ -106,10 +115,6 @@ struct cuda_executor {
     require(batch.num_items == 0 || batch.items != nullptr, "batch.items", "is a null pointer");
 
     auto* ws = static_cast<std::byte*>(temp);
-    auto* score_buf = reinterpret_cast<float*>(ws + plan.scores);
-    auto* red_buf = reinterpret_cast<float*>(ws + plan.red);
-    std::uint8_t* keep = out.keep_masks ? out.keep_masks : reinterpret_cast<std::uint8_t*>(ws + plan.keep);
-    const auto rows = static_cast<unsigned>(rs.rows());
     const auto mark = [&](int i) {
       if (stage_marks) cudaEventRecord(stage_marks[i], stream);
     };
@@ -118,73 +123,21 @@ struct cuda_executor {
     mark(0);
     if (batch.num_items > 0) {
       cuda::validate_kernel<<<batch.num_items, cuda::row_threads, 0, stream>>>(pv, cache, queries, rs);
-      if constexpr (AttentionScorer<S>) {
-        const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-        if (mma_scores(cache, queries)) {
-          const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim);
-          if (cache.type == dtype::bf16)
-            launch(cuda::attention_score_mma_kernel<S, dtype::bf16>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
-          else
-            launch(cuda::attention_score_mma_kernel<S, dtype::f16>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
-        } else {
-          const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
-          launch(cuda::attention_score_kernel<S>, rows, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+      const std::int32_t groups = overlap_stream && overlap_events ? std::min(overlap_groups, batch.num_items) : 1;
+      if (groups <= 1) {
+        run_stages(pv, cache, queries, scores, rs, 0, batch.num_items, ws, plan, out, stream, mark);
+      } else {
+        cudaEventRecord(overlap_events[0], stream);
+        cudaStreamWaitEvent(overlap_stream, overlap_events[0], 0);
+        for (std::int32_t g = 0; g < groups; ++g) {
+          const std::int32_t first = static_cast<std::int32_t>(std::int64_t{batch.num_items} * g / groups);
+          const std::int32_t last = static_cast<std::int32_t>(std::int64_t{batch.num_items} * (g + 1) / groups);
+          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, g % 2 ? overlap_stream : stream,
+                     [](int) {});
         }
-      } else if constexpr (KeyScorer<S>) {
-        launch(cuda::key_score_kernel<S>, rows, 1, 0, pv.scorer, cache, rs, score_buf);
-      }
-      mark(1);
-      if constexpr (!std::same_as<R, none>) {
-        const std::int32_t d = cache.head_dim;
-        if constexpr (R::pairs == redundancy::scope::block) {
-          const unsigned blocks = static_cast<unsigned>(max_blocks(batch, cache));
-          if (mma_keys(cache)) {
-            const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
-            if (cache.type == dtype::bf16)
-              launch(cuda::lightning_mma_kernel<P, dtype::bf16>, rows, blocks, smem, pv, cache, rs, red_buf);
-            else
-              launch(cuda::lightning_mma_kernel<P, dtype::f16>, rows, blocks, smem, pv, cache, rs, red_buf);
-          } else {
-            const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
-            launch(cuda::lightning_kernel<P>, rows, blocks, smem, pv, cache, rs, red_buf);
-          }
-        } else {
-          auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum);
-          auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest);
-          auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c);
-          if (mma_keys(cache)) {
-            const auto tiles =
-                static_cast<unsigned>((batch.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
-            const auto smem = cuda::full_mma_smem_bytes(d);
-            if (cache.type == dtype::bf16)
-              launch(cuda::full_columns_mma_kernel<P, dtype::bf16>, rows, tiles, smem, pv, cache, rs, rowsum, newest,
-                     newest_c);
-            else
-              launch(cuda::full_columns_mma_kernel<P, dtype::f16>, rows, tiles, smem, pv, cache, rs, rowsum, newest,
-                     newest_c);
-          } else {
-            const auto tiles = static_cast<unsigned>((batch.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
-            launch(cuda::full_columns_kernel<P>, rows, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs,
-                   rowsum, newest, newest_c);
-          }
-          launch(cuda::full_finish_kernel<P>, rows, 1, std::size_t(batch.max_tokens) * sizeof(float), pv, cache, rs,
-                 rowsum, newest, newest_c, red_buf);
-        }
-      }
-      mark(2);
-      const cuda::epilogue_out eo{keep,           out.scores, out.new_lengths, out.released_counts,
-                                  out.released_blocks, max_blocks(batch, cache)};
-      float* rows_global = plan.rows_global ? reinterpret_cast<float*>(ws + plan.rows_global) : nullptr;
-      launch(cuda::epilogue_kernel<P>, rows, 1,
-             rows_global ? 0 : cuda::epilogue_smem_floats(batch.max_tokens) * sizeof(float), pv, cache, scores, rs,
-             score_buf, red_buf, rows_global, eo);
-      mark(3);
-      if constexpr (moves_tokens<L>()) {
-        const std::int32_t chunk = cuda::compact_chunk(cache.row_bytes(), compact_smem_bytes);
-        // F moves with its tokens only when the pipeline keeps scores in it.
-        const score_view moved_f = uses_score_cache<A>() ? scores : score_view{};
-        launch(cuda::compact_kernel<P>, rows, 1, 2 * std::size_t(chunk) * cache.row_bytes(), pv, cache, moved_f, rs,
-               keep, chunk);
+        cudaEventRecord(overlap_events[1], overlap_stream);
+        cudaStreamWaitEvent(stream, overlap_events[1], 0);
+        mark(1), mark(2), mark(3);
       }
     } else {
       mark(1), mark(2), mark(3);
@@ -204,6 +157,102 @@ struct cuda_executor {
   }
 
  private:
+  struct workspace_plan;
+
+  // The stages for items [first, first + count) of the batch on one stream: their rows
+  // are a contiguous range of every per-row buffer, their per-item results a range of
+  // the per-item ones. `mark(i)` records stage mark i (or nothing).
+  template <class P, class Mark>
+  void run_stages(const P& pv, const paged_kv_view& cache, const query_window_view& queries, const score_view& scores,
+                  cuda::row_space rs, std::int32_t first, std::int32_t count, std::byte* ws, const workspace_plan& plan,
+                  const device_result& out, cudaStream_t on, Mark mark) const {
+    using S = typename P::scorer_type;
+    using A = typename P::aggregate_type;
+    using R = typename P::redundancy_type;
+    using L = typename P::layout_type;
+    const std::int64_t row0 = std::int64_t{first} * rs.num_layers * rs.num_heads, at = row0 * rs.max_tokens;
+    rs.items += first;
+    rs.num_items = count;
+    const auto rows = static_cast<unsigned>(rs.rows());
+    const std::int32_t blocks_per_item = (rs.max_tokens + cache.block_size - 1) / cache.block_size;
+    auto* score_buf = reinterpret_cast<float*>(ws + plan.scores) + at;
+    auto* red_buf = reinterpret_cast<float*>(ws + plan.red) + at;
+    std::uint8_t* keep = (out.keep_masks ? out.keep_masks : reinterpret_cast<std::uint8_t*>(ws + plan.keep)) + at;
+    const auto launch_on = [&](auto kernel, unsigned grid_y, std::size_t smem, auto... args) {
+      launch(on, kernel, rows, grid_y, smem, args...);
+    };
+
+    if constexpr (AttentionScorer<S>) {
+      const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
+      if (mma_scores(cache, queries)) {
+        const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim);
+        if (cache.type == dtype::bf16)
+          launch_on(cuda::attention_score_mma_kernel<S, dtype::bf16>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+        else
+          launch_on(cuda::attention_score_mma_kernel<S, dtype::f16>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+      } else {
+        const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
+        launch_on(cuda::attention_score_kernel<S>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
+      }
+    } else if constexpr (KeyScorer<S>) {
+      launch_on(cuda::key_score_kernel<S>, 1, 0, pv.scorer, cache, rs, score_buf);
+    }
+    mark(1);
+    if constexpr (!std::same_as<R, none>) {
+      const std::int32_t d = cache.head_dim;
+      if constexpr (R::pairs == redundancy::scope::block) {
+        const auto blocks = static_cast<unsigned>(blocks_per_item);
+        if (mma_keys(cache)) {
+          const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
+          if (cache.type == dtype::bf16)
+            launch_on(cuda::lightning_mma_kernel<P, dtype::bf16>, blocks, smem, pv, cache, rs, red_buf);
+          else
+            launch_on(cuda::lightning_mma_kernel<P, dtype::f16>, blocks, smem, pv, cache, rs, red_buf);
+        } else {
+          const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
+          launch_on(cuda::lightning_kernel<P>, blocks, smem, pv, cache, rs, red_buf);
+        }
+      } else {
+        auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum) + at;
+        auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
+        auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
+        if (mma_keys(cache)) {
+          const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
+          const auto smem = cuda::full_mma_smem_bytes(d);
+          if (cache.type == dtype::bf16)
+            launch_on(cuda::full_columns_mma_kernel<P, dtype::bf16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+          else
+            launch_on(cuda::full_columns_mma_kernel<P, dtype::f16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+        } else {
+          const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
+          launch_on(cuda::full_columns_kernel<P>, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs, rowsum,
+                    newest, newest_c);
+        }
+        launch_on(cuda::full_finish_kernel<P>, 1, std::size_t(rs.max_tokens) * sizeof(float), pv, cache, rs, rowsum,
+                  newest, newest_c, red_buf);
+      }
+    }
+    mark(2);
+    const cuda::epilogue_out eo{keep,
+                                out.scores ? out.scores + at : nullptr,
+                                out.new_lengths + first,
+                                out.released_counts + first,
+                                out.released_blocks + std::int64_t{first} * blocks_per_item,
+                                blocks_per_item};
+    // The global-memory rows hold two regions of the launch's rows each.
+    float* rows_global = plan.rows_global ? reinterpret_cast<float*>(ws + plan.rows_global) + 2 * at : nullptr;
+    launch_on(cuda::epilogue_kernel<P>, 1, rows_global ? 0 : cuda::epilogue_smem_floats(rs.max_tokens) * sizeof(float),
+              pv, cache, scores, rs, score_buf, red_buf, rows_global, eo);
+    mark(3);
+    if constexpr (moves_tokens<L>()) {
+      const std::int32_t chunk = cuda::compact_chunk(cache.row_bytes(), compact_smem_bytes);
+      // F moves with its tokens only when the pipeline keeps scores in it.
+      const score_view moved_f = uses_score_cache<A>() ? scores : score_view{};
+      launch_on(cuda::compact_kernel<P>, 1, 2 * std::size_t(chunk) * cache.row_bytes(), pv, cache, moved_f, rs, keep,
+                chunk);
+    }
+  }
+
   bool mma_keys(const paged_kv_view& cache) const {
     return tensor_cores && cache.type != dtype::f32 && cuda::row_groups_fit(cache.head_dim);
   }
@@ -319,12 +368,12 @@ struct cuda_executor {
   }
 
   template <class Kernel, class... Args>
-  void launch(Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem, Args... args) const {
+  static void launch(cudaStream_t on, Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem, Args... args) {
     // Dynamic shared memory beyond 48 KB minus the kernel's static shared memory (CUB's
     // scans, say) needs the opt-in; any launch that asks for some opts in, so a
     // request just under 48 KB does not fail on top of static storage.
     if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, stream>>>(args...);
+    kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, on>>>(args...);
   }
 };
 
