@@ -127,6 +127,11 @@ class key_tile_loader {
     }
     base_ = cache.k.layer(layer, cache.type) + cache.k_stride.head * head * size_of(cache.type);
     stride_ = cache.k_stride.token * size_of(cache.type);
+    // The shared-memory step between a thread's rows is constant: step_ rows of a
+    // padded tile, or step_ / 8 row groups of core matrices (step_ is a multiple of 8).
+    out_step_ = static_cast<std::int32_t>(at_(row0_ + step_, chunk_) - at_(row0_, chunk_));
+    const std::int32_t b = cache.block_size;
+    block_shift_ = (b & (b - 1)) == 0 ? __ffs(b) - 1 : -1;  // power-of-two blocks: no division per tile
   }
 
   // Keys [pos0, pos0 + count) into dst rows [0, count); rows [count, rows) get zeros.
@@ -134,7 +139,8 @@ class key_tile_loader {
   // parameter whose address is kept would be copied to local memory).
   __device__ void copy(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
                        std::int32_t pos0) const {
-    const std::int32_t blk = pos0 / c.block_size, slot = pos0 - blk * c.block_size;
+    const std::int32_t blk = block_shift_ >= 0 ? pos0 >> block_shift_ : pos0 / c.block_size;
+    const std::int32_t slot = pos0 - blk * c.block_size;
     if (!strided_ || slot + count > c.block_size) {
       copy_rows_async(dst, rows, count, c.head_dim, at_, [&](std::int32_t r) -> const std::byte* {
         return c.k_row(layer_, seq_, pos0 + r, head_);
@@ -144,15 +150,17 @@ class key_tile_loader {
     const std::int64_t first = c.k_stride.block * c.table.block(seq_, blk) + c.k_stride.token * slot;
     std::int32_t r = row0_;
     const std::byte* src = base_ + first * size_of(c.type) + r * stride_ + chunk_ * 16;
-    for (; r < count; r += step_, src += step_ * stride_) cp_async_16(dst + at_(r, chunk_), src, 16);
-    for (; r < rows; r += step_) *reinterpret_cast<uint4*>(dst + at_(r, chunk_)) = uint4{0, 0, 0, 0};
+    const std::int64_t src_step = step_ * stride_;
+    std::uint16_t* out = dst + at_(r, chunk_);
+    for (; r < count; r += step_, src += src_step, out += out_step_) cp_async_16(out, src, 16);
+    for (; r < rows; r += step_, out += out_step_) *reinterpret_cast<uint4*>(out) = uint4{0, 0, 0, 0};
   }
 
  private:
   std::int32_t layer_, seq_, head_;
   Layout at_;
   bool strided_;
-  std::int32_t step_, row0_, chunk_;
+  std::int32_t step_, row0_, chunk_, out_step_, block_shift_;
   const std::byte* base_;
   std::int64_t stride_;
 };
