@@ -1,4 +1,4 @@
-// Hopper warpgroup MMA (wgmma, sm_90a): 64 x N x 16 tiles (N = 32, 64) with fp32 accumulators
+// Hopper warpgroup MMA (wgmma, sm_90a): 64 x 64 x 16 tiles with fp32 accumulators
 // on f16/bf16 operands read straight from shared memory in the core_matrices layout
 // (mma.cuh). Four warps issue it together and it runs asynchronously, so no
 // ldmatrix is spent on operands. Device code compiled for any other target gets
@@ -63,33 +63,21 @@ template <dtype T, int N>
 __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_a, std::uint64_t desc_b,
                                      bool accumulate) {
   static_assert(T == dtype::bf16 || T == dtype::f16);
-  static_assert(N == 32 || N == 64);
+  static_assert(N == 64, "the 64-column tile is the one instantiated and tested");
 #if KVP_CUDA_WGMMA
   float* c = &acc[0][0];
   const int scale_d = accumulate;
-  if constexpr (N == 64 && T == dtype::bf16) {
+  if constexpr (T == dtype::bf16) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
                  "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  } else if constexpr (N == 64) {
+  } else {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
                  "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  } else if constexpr (T == dtype::bf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
-                 "%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
-                 "%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 #else
