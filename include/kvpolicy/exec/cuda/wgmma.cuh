@@ -59,6 +59,14 @@ __device__ inline void fence_async_shared() {
 #define KVP_WGMMA_OUT8(c, i)                                                                             \
   "+f"(c[i]), "+f"(c[i + 1]), "+f"(c[i + 2]), "+f"(c[i + 3]), "+f"(c[i + 4]), "+f"(c[i + 5]), "+f"(c[i + 6]), \
       "+f"(c[i + 7])
+// One m64n64k16 instruction; TYPE is the PTX name of both operands' type.
+#define KVP_WGMMA_64X64X16(TYPE, c, desc_a, desc_b, scale_d)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                       \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,"   \
+               "%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                     \
+               : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)       \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 template <dtype T, int N>
 __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_a, std::uint64_t desc_b,
                                      bool accumulate) {
@@ -68,23 +76,16 @@ __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_
   float* c = &acc[0][0];
   const int scale_d = accumulate;
   if constexpr (T == dtype::bf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
-                 "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    KVP_WGMMA_64X64X16("bf16", c, desc_a, desc_b, scale_d);
   } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
-                 "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    KVP_WGMMA_64X64X16("f16", c, desc_a, desc_b, scale_d);
   }
 #else
   (void)acc, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();  // callers test KVP_CUDA_WGMMA first
 #endif
 }
+#undef KVP_WGMMA_64X64X16
 #undef KVP_WGMMA_OUT8
 
 // Keeps the compiler from moving accesses of acc across the asynchronous MMA.
