@@ -15,6 +15,7 @@
 #include <thrust/device_vector.h>
 
 #include "kvpolicy/kvpolicy.cuh"
+#include "support/device_vectors.cuh"
 
 namespace kvp_gpu {
 
@@ -30,16 +31,8 @@ struct case_config {
   std::uint32_t seed = 1;
 };
 
-template <class T>
-thrust::device_vector<T> to_device(const std::vector<T>& v) {
-  return thrust::device_vector<T>(v.begin(), v.end());
-}
-template <class T>
-std::vector<T> to_host(const thrust::device_vector<T>& v) {
-  std::vector<T> h(v.size());
-  thrust::copy(v.begin(), v.end(), h.begin());
-  return h;
-}
+using kvp_test::to_device;
+using kvp_test::to_host;
 
 struct gpu_case {
   case_config cfg;

@@ -31,6 +31,7 @@
 #include "support/agreement.hpp"
 #include "support/agreement_tally.hpp"
 #include "support/device_copy.cuh"
+#include "support/device_vectors.cuh"
 #include "support/test_cache.hpp"
 #include "support/test_policies.hpp"
 #include "support/zero_padded_copy.hpp"
@@ -61,12 +62,6 @@ inline table_scorer for_device(const table_scorer& s, std::vector<thrust::device
   return {thrust::raw_pointer_cast(tables.back().data())};
 }
 
-template <class T>
-std::vector<T> to_host(const thrust::device_vector<T>& v) {
-  std::vector<T> out(v.size());
-  thrust::copy(v.begin(), v.end(), out.begin());
-  return out;
-}
 
 // Runs p on the CUDA executor over a device copy of `tc`, copies K, V and F back into
 // `tc`, and returns the results in the host executor's form.
