@@ -78,10 +78,11 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
     st.inv[0] = u[0] < count ? inv[u[0]] : 0.0f;
     st.inv[1] = u[1] < count ? inv[u[1]] : 0.0f;
     for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
-      float acc[8][4] = {};
 #if KVP_CUDA_WGMMA
+      float acc[8][4];  // the first wgmma overwrites it (scale-d 0)
       wgmma_gram<Elem, gram_tile_columns>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
 #else
+      float acc[8][4] = {};
       gram_tile<Elem>(acc, keys + at(m0, 0), keys + at(v0, 0), rows - v0, d, at.pitch);
 #endif
       // Bounds and the diagonal are tested only in the tiles that need them.
