@@ -111,7 +111,7 @@ class key_tile_loader {
  public:
   __device__ key_tile_loader(const paged_kv_view& cache, std::int32_t layer, std::int32_t seq, std::int32_t head,
                              Layout at)
-      : layer_(layer), seq_(seq), head_(head), at_(at) {
+      : at_(at) {
     const std::int32_t vecs = cache.head_dim / 8, tid = static_cast<std::int32_t>(threadIdx.x);
     const auto threads = static_cast<std::int32_t>(blockDim.x);
     step_ = threads / vecs;
@@ -125,8 +125,14 @@ class key_tile_loader {
       row0_ = tid / vecs;
       chunk_ = tid % vecs;
     }
-    base_ = cache.k.layer(layer, cache.type) + cache.k_stride.head * head * size_of(cache.type);
-    stride_ = cache.k_stride.token * size_of(cache.type);
+    // Everything in bytes, so that a tile's source address is one table read, one
+    // wide multiply and two adds.
+    const std::int64_t elem = size_of(cache.type);
+    base_ = cache.k.layer(layer, cache.type) + cache.k_stride.head * head * elem;
+    token_bytes_ = cache.k_stride.token * elem;
+    block_bytes_ = cache.k_stride.block * elem;
+    const block_table_view& t = cache.table;
+    blocks_ = t.indices + (t.is_csr() ? std::int64_t{t.indptr[seq]} : seq * t.row_stride);
     // The shared-memory step between a thread's rows is constant: step_ rows of a
     // padded tile, or step_ / 8 row groups of core matrices (step_ is a multiple of 8).
     out_step_ = static_cast<std::int32_t>(at_(row0_ + step_, chunk_) - at_(row0_, chunk_));
@@ -139,30 +145,34 @@ class key_tile_loader {
   // parameter whose address is kept would be copied to local memory).
   __device__ void copy(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
                        std::int32_t pos0) const {
-    const std::int32_t blk = block_shift_ >= 0 ? pos0 >> block_shift_ : pos0 / c.block_size;
-    const std::int32_t slot = pos0 - blk * c.block_size;
-    if (!strided_ || slot + count > c.block_size) {
-      copy_rows_async(dst, rows, count, c.head_dim, at_, [&](std::int32_t r) -> const std::byte* {
-        return c.k_row(layer_, seq_, pos0 + r, head_);
-      });
+    const std::int32_t b = c.block_size;
+    const std::int32_t blk = block_shift_ >= 0 ? pos0 >> block_shift_ : pos0 / b;
+    const std::int32_t slot = pos0 - blk * b;
+    if (!strided_ || slot + count > b) {
+      copy_rows_async(dst, rows, count, c.head_dim, at_, [&](std::int32_t r) { return row(pos0 + r, b); });
       return;
     }
-    const std::int64_t first = c.k_stride.block * c.table.block(seq_, blk) + c.k_stride.token * slot;
     std::int32_t r = row0_;
-    const std::byte* src = base_ + first * size_of(c.type) + r * stride_ + chunk_ * 16;
-    const std::int64_t src_step = step_ * stride_;
+    const std::byte* src = base_ + blocks_[blk] * block_bytes_ + (slot + r) * token_bytes_ + chunk_ * 16;
+    const std::int64_t src_step = step_ * token_bytes_;
     std::uint16_t* out = dst + at_(r, chunk_);
     for (; r < count; r += step_, src += src_step, out += out_step_) cp_async_16(out, src, 16);
     for (; r < rows; r += step_, out += out_step_) *reinterpret_cast<uint4*>(out) = uint4{0, 0, 0, 0};
   }
 
  private:
-  std::int32_t layer_, seq_, head_;
+  // First byte of the key at logical position t (c.k_row with the layer and head folded in).
+  __device__ const std::byte* row(std::int32_t t, std::int32_t b) const {
+    const std::int32_t blk = block_shift_ >= 0 ? t >> block_shift_ : t / b;
+    return base_ + blocks_[blk] * block_bytes_ + (t - blk * b) * token_bytes_;
+  }
+
   Layout at_;
   bool strided_;
   std::int32_t step_, row0_, chunk_, out_step_, block_shift_;
   const std::byte* base_;
-  std::int64_t stride_;
+  const std::int32_t* blocks_;  // this sequence's row of the block table
+  std::int64_t token_bytes_, block_bytes_;
 };
 
 // Eight 16-bit elements of type T widened to fp32.
