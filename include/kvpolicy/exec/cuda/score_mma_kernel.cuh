@@ -62,6 +62,10 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
   const std::int32_t QW = w * G, rows = round16(QW), pitch = d + 8, zp = logit_pitch;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const bool by_logits = s.group == group_reduce::max_logits;
+  // Group reduce in registers: a group of G <= 8 adjacent query rows (G a power of
+  // two) is G adjacent quads of one fragment half, so shuffles reduce it and the
+  // window reduce reads one row per window position instead of G.
+  const bool in_fragments = !by_logits && G <= 8 && (G & (G - 1)) == 0;
   const float ninf = -__builtin_huge_valf();
   const float scale = 1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f;
 
@@ -159,12 +163,33 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
           } else {
             // Probabilities in the fragments; the window and group reduces read them.
             const float2 st = qi < QW ? stat[qi] : float2{0.0f, 0.0f};
-            float* prow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
+            float pr[8];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              const float p0 = s.transform(exp2_ftz(fmaf(z[2 * nt], scale, -st.x)) * st.y);
-              const float p1 = s.transform(exp2_ftz(fmaf(z[2 * nt + 1], scale, -st.x)) * st.y);
-              *reinterpret_cast<float2*>(prow + nt * 8) = {p0, p1};
+            for (int k = 0; k < 8; ++k) pr[k] = s.transform(exp2_ftz(fmaf(z[k], scale, -st.x)) * st.y);
+            std::int32_t out_row = qi;
+            bool writes = true;
+            if (in_fragments) {
+              const bool by_max = s.group == group_reduce::max;
+#pragma unroll
+              for (int o = 4; o <= 16; o <<= 1) {
+                if (o >= 4 * G) break;  // uniform in the warp
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                  const float other = __shfl_xor_sync(0xffffffffu, pr[k], o);
+                  pr[k] = by_max ? fmaxf(pr[k], other) : pr[k] + other;
+                }
+              }
+              if (s.group == group_reduce::mean) {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) pr[k] *= 1.0f / static_cast<float>(G);  // exact: G is a power of two
+              }
+              out_row = qi / G;  // the group's window position
+              writes = (lane / 4) % G == 0 && qi < QW;
+            }
+            if (writes) {
+              float* prow = zs + std::size_t(out_row) * zp + n0 + (lane % 4) * 2;
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(prow + nt * 8) = {pr[2 * nt], pr[2 * nt + 1]};
             }
           }
         }
@@ -224,7 +249,9 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         for (std::int32_t j = sub; valid && j < w; j += window_splits) {
           const std::int32_t pj = T - w + j;
           if (!s.contributes(pj, t)) continue;
-          if (by_logits) {
+          if (in_fragments) {
+            acc += zs[std::size_t(j) * zp + key];  // group-reduced in the fragments
+          } else if (by_logits) {
             float zz = ninf;
             for (std::int32_t g = 0; g < G; ++g) zz = fmaxf(zz, zs[std::size_t(j * G + g) * zp + key]);
             const float2 st = stat[j];
