@@ -4,8 +4,8 @@
 // Rows (bench/README.md explains each):
 //   copy                            device-to-device cudaMemcpyAsync of 1 GiB: the bandwidth roof
 //   e2e/<preset>/A                  configuration A, one compression, end to end, per preset
-//   e2e_overlap<G>/zipage/A         the same with the items in G groups over two streams
-//                                   (cuda_executor::overlap_stream), G = 2, 4
+//   e2e_overlap<G>/zipage/A         the same with cuda_executor::overlap_stream: redundancy
+//                                   beside scoring, items in G groups over two streams, G = 1 to 4
 //   stage/zipage/A                  configuration A, zipage, per-stage times from the stage marks
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
@@ -347,7 +347,7 @@ struct bench_case {
     temp = dbuf(std::max<std::size_t>(bytes, 256));
   }
 
-  // Overlap: a second stream and the fork and join events, used when groups > 1.
+  // Overlap: a second stream and the fork and join events, used when groups > 0.
   struct overlap {
     cudaStream_t side = nullptr;
     cudaEvent_t* events = nullptr;
@@ -359,7 +359,7 @@ struct bench_case {
     kvp::cuda_executor ex;
     ex.stream = stream;
     ex.stage_marks = marks;
-    if (o.groups > 1) {
+    if (o.groups > 0) {
       ex.overlap_stream = o.side;
       ex.overlap_events = o.events;
       ex.overlap_groups = o.groups;
@@ -589,8 +589,9 @@ void register_all() {
   add_row("e2e/streaming_llm/A", kvp::presets::streaming_llm{}, a, row_kind::e2e, 30);
   add_row("e2e/gkv/A", kvp::presets::gkv{}, a, row_kind::e2e, 3);
   add_row("e2e/rkv/A", kvp::presets::rkv{}, a, row_kind::e2e, 3);
-  // Overlapped: one group's compaction beside the next group's scoring.
-  for (std::int32_t groups : {2, 4})
+  // Overlapped: redundancy beside scoring; with 2 or 4 groups also one group's
+  // compaction beside the next group's scoring.
+  for (std::int32_t groups : {1, 2, 3, 4})
     add_row("e2e_overlap" + std::to_string(groups) + "/zipage/A", kvp::presets::zipage{}, a, row_kind::e2e, 30, groups);
 
   // Per stage, configuration A, zipage.

@@ -22,9 +22,9 @@ case_config zipage_case() {
   return cfg;
 }
 
-// Captures a compression (on one stream, or overlapped over two) in a CUDA graph,
-// replays it, and compares with a direct run.
-void capture_and_replay(bool overlapped) {
+// Captures a compression (on one stream, or overlapped over two in `groups` item
+// groups) in a CUDA graph, replays it, and compares with a direct run.
+void capture_and_replay(std::int32_t groups = 0) {
   const gpu_case c(zipage_case());
   const std::vector<kvp::batch_item> items{{0, 0, 192, 0}, {1, 1, 192, 0}};
   const kvp::presets::zipage p;
@@ -45,9 +45,10 @@ void capture_and_replay(bool overlapped) {
   REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   for (auto& e : fork_join) REQUIRE_EQ(cudaSuccess, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   kvp::cuda_executor ex{.stream = stream, .mirror = {.status = pinned, .new_lengths = pinned + kvp::status_words}};
-  if (overlapped) {
+  if (groups > 0) {
     ex.overlap_stream = side;
     ex.overlap_events = fork_join;
+    ex.overlap_groups = groups;
   }
   std::size_t bytes = 0;
   REQUIRE_EQ(cudaSuccess, ex.compress(nullptr, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
@@ -82,11 +83,15 @@ void capture_and_replay(bool overlapped) {
 }
 
 TEST_CASE("a whole compression is captured in a CUDA graph and replays to the same bytes") {
-  capture_and_replay(false);
+  capture_and_replay();
 }
 
 TEST_CASE("an overlapped compression (item groups on two streams) is captured in a CUDA graph and replays") {
-  capture_and_replay(true);
+  capture_and_replay(2);
+}
+
+TEST_CASE("a compression with its redundancy stage on a second stream is captured in a CUDA graph and replays") {
+  capture_and_replay(1);
 }
 
 template <class Mutate>
@@ -140,6 +145,23 @@ TEST_CASE("malformed shapes throw before any launch") {
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, bad, dev.queries, dev.scores,
                                                 out.batch, out.result),
                   kvp::error);
+  // The overlap option: events, a group count and a second stream, each named.
+  const auto overlap_error = [&](const kvp::cuda_executor& ex, const char* field) {
+    try {
+      (void)ex.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, dev.scores, out.batch, out.result);
+      FAIL("compress() did not throw for ", field);
+    } catch (const kvp::error& e) {
+      CHECK(e.field() == field);
+      MESSAGE(std::string(e.what()));
+    }
+  };
+  cudaStream_t side;
+  cudaEvent_t fork_join[2] = {};
+  REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  overlap_error({.overlap_stream = side}, "overlap_events");
+  overlap_error({.overlap_stream = side, .overlap_events = fork_join, .overlap_groups = 0}, "overlap_groups");
+  overlap_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
+  cudaStreamDestroy(side);
   auto no_f = dev.scores;
   no_f.base = nullptr;
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, no_f,

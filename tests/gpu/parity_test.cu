@@ -54,7 +54,7 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   // Overlap: item groups alternate between the default stream and a second one.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
-  if (overlap_groups > 1) {
+  if (overlap_groups > 0) {
     REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     for (auto& e : fork_join) REQUIRE_EQ(cudaSuccess, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     cx.overlap_stream = side;
@@ -194,6 +194,7 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);
+  run_random("zipage/overlap1", kvp::presets::zipage{}, 15, 13, rep, true, 1);
   run_random("rkv/overlap", kvp::presets::rkv{}, 15, 12, rep, true, 2);
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences, max |score error| {:.3g}"), rep.tokens,
                       rep.mask_mismatches, rep.max_score_error));
