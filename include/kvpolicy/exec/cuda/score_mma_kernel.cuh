@@ -66,6 +66,10 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
   // two) is G adjacent quads of one fragment half, so shuffles reduce it and the
   // window reduce reads one row per window position instead of G.
   const bool in_fragments = !by_logits && G <= 8 && (G & (G - 1)) == 0;
+  // A query row's window position, by a shift when G is a power of two: a division
+  // by a run-time G is some 25 instructions, twice per fragment tile.
+  const std::int32_t g_shift = (G & (G - 1)) == 0 ? __ffs(G) - 1 : -1;
+  const auto window_pos = [&](std::int32_t qi) { return g_shift >= 0 ? qi >> g_shift : qi / G; };
   const float ninf = -__builtin_huge_valf();
   const float scale = 1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f;
 
@@ -132,7 +136,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         // row's max subtracted (max commutes with the positive scale).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + qi / G;
+          const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + window_pos(qi);
           float z[8];
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
@@ -183,8 +187,8 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
 #pragma unroll
                 for (int k = 0; k < 8; ++k) pr[k] *= 1.0f / static_cast<float>(G);  // exact: G is a power of two
               }
-              out_row = qi / G;  // the group's window position
-              writes = (lane / 4) % G == 0 && qi < QW;
+              out_row = window_pos(qi);
+              writes = ((lane / 4) & (G - 1)) == 0 && qi < QW;  // G is a power of two
             }
             if (writes) {
               float* prow = zs + std::size_t(out_row) * zp + n0 + (lane % 4) * 2;
