@@ -258,3 +258,24 @@ TEST_CASE("window / squared attention match the reference on random inputs") {
   }
   CHECK(cases == 400);
 }
+
+// The optional visible_end hint lets kernels skip the mask below it: every key under
+// it must be visible, and for a causal scorer the first key past it must not be.
+TEST_CASE("window / squared attention: visible_end agrees with visible") {
+  const auto check_hint = [](const auto& s, bool causal) {
+    for (std::int32_t pj = 0; pj < 40; ++pj) {
+      const std::int32_t end = s.visible_end(pj);
+      for (std::int32_t t = 0; t < 48; ++t) CHECK_MESSAGE(s.visible(pj, t) == (t < end), "pj ", pj, " t ", t);
+      if (causal) CHECK(end == pj + 1);
+    }
+  };
+  for (bool causal : {true, false}) {
+    kvp::scorer::window_attention wa;
+    wa.causal = causal;
+    check_hint(wa, causal);
+    kvp::scorer::squared_attention sq;
+    sq.causal = causal;
+    check_hint(sq, causal);
+  }
+  check_hint(kvp::scorer::h2o{}, true);
+}

@@ -26,6 +26,9 @@ concept Policy = std::is_trivially_copyable_v<P> && std::is_default_constructibl
 //   s.visible(j, t)     -> bool           softmax mask: query at position j sees key t
 //   s.contributes(j, t) -> bool           after the softmax: the query adds to key t
 //   s.key_end(T)        -> int32_t        candidates are keys [0, key_end(T))
+// Optional, a hint for kernels:
+//   s.visible_end(j)    -> int32_t        every key t < visible_end(j) is visible to j,
+//                                         so tiles below it skip the mask test
 template <class S>
 concept AttentionScorer = Policy<S> && requires(const S& s, float p, std::int32_t i) {
   { s.window } -> std::convertible_to<std::int32_t>;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/scorer/reductions.hpp"
@@ -21,6 +22,10 @@ struct squared_attention {
   KVP_HOST_DEVICE constexpr float transform(float p) const noexcept { return p * p; }
   KVP_HOST_DEVICE constexpr bool visible(std::int32_t pj, std::int32_t t) const noexcept {
     return !causal || t <= pj;
+  }
+  // Every key below this is visible to the query at pj (the concept's optional hint).
+  KVP_HOST_DEVICE constexpr std::int32_t visible_end(std::int32_t pj) const noexcept {
+    return causal ? pj + 1 : std::numeric_limits<std::int32_t>::max();
   }
   KVP_HOST_DEVICE constexpr bool contributes(std::int32_t pj, std::int32_t t) const noexcept {
     return pj - t >= excluded_distance;

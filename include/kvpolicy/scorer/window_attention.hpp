@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/scorer/reductions.hpp"
@@ -26,6 +27,10 @@ struct window_attention {
   // Softmax mask: does the query at position pj see key t?
   KVP_HOST_DEVICE constexpr bool visible(std::int32_t pj, std::int32_t t) const noexcept {
     return !causal || t <= pj;
+  }
+  // Every key below this is visible to the query at pj (the concept's optional hint).
+  KVP_HOST_DEVICE constexpr std::int32_t visible_end(std::int32_t pj) const noexcept {
+    return causal ? pj + 1 : std::numeric_limits<std::int32_t>::max();
   }
   // After the softmax: does the query at pj add to key t's score?
   KVP_HOST_DEVICE constexpr bool contributes(std::int32_t, std::int32_t) const noexcept { return true; }

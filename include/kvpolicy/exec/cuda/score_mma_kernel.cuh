@@ -92,6 +92,15 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
     *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
   }
   for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i] = {ninf, 0.0f};
+  // Keys below plain_end are candidates visible to every window query, and no row is
+  // padding: tiles under it skip the mask test (the scorer's optional visible_end).
+  std::int32_t plain_end = 0;
+  if constexpr (requires { { s.visible_end(0) } -> std::same_as<std::int32_t>; }) {
+    if (QW == rows) {
+      plain_end = n;
+      for (std::int32_t j = 0; j < w; ++j) plain_end = min(plain_end, s.visible_end(T - w + j));
+    }
+  }
   const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
@@ -138,11 +147,16 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         for (int h = 0; h < 2; ++h) {
           const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + window_pos(qi);
           float z[8];
+          if (tile + mma_key_tile <= plain_end) {
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
-            z[2 * nt] = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] : ninf;
-            z[2 * nt + 1] = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] : ninf;
+            for (int nt = 0; nt < 4; ++nt) z[2 * nt] = acc[nt][h * 2], z[2 * nt + 1] = acc[nt][h * 2 + 1];
+          } else {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
+              z[2 * nt] = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] : ninf;
+              z[2 * nt + 1] = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] : ninf;
+            }
           }
           if (by_logits) {
             // Statistics per window position come after the group max, from shared memory.
