@@ -589,8 +589,8 @@ void register_all() {
   add_row("e2e/streaming_llm/A", kvp::presets::streaming_llm{}, a, row_kind::e2e, 30);
   add_row("e2e/gkv/A", kvp::presets::gkv{}, a, row_kind::e2e, 3);
   add_row("e2e/rkv/A", kvp::presets::rkv{}, a, row_kind::e2e, 3);
-  // Overlapped: redundancy beside scoring; with 2 or 4 groups also one group's
-  // compaction beside the next group's scoring.
+  // Overlapped: redundancy beside scoring; with 2 to 4 groups also one group's
+  // epilogue and compaction beside the next group's scoring.
   for (std::int32_t groups : {1, 2, 3, 4})
     add_row("e2e_overlap" + std::to_string(groups) + "/zipage/A", kvp::presets::zipage{}, a, row_kind::e2e, 30, groups);
 

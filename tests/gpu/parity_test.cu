@@ -51,7 +51,7 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   device_outputs out(items, max_tokens, L * H, c.max_blocks);
   kvp::cuda_executor cx;
   cx.tensor_cores = tensor_cores;
-  // Overlap: item groups alternate between the default stream and a second one.
+  // Overlap: redundancy on a second stream, item groups pipelined over the two.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
   if (overlap_groups > 0) {

@@ -260,7 +260,8 @@ TEST_CASE("window / squared attention match the reference on random inputs") {
 }
 
 // The optional visible_end hint lets kernels skip the mask below it: every key under
-// it must be visible, and for a causal scorer the first key past it must not be.
+// it must be visible. For the built-in scorers it is exact: visible(pj, t) holds for
+// t < visible_end(pj) and for no other t.
 TEST_CASE("window / squared attention: visible_end agrees with visible") {
   const auto check_hint = [](const auto& s, bool causal) {
     for (std::int32_t pj = 0; pj < 40; ++pj) {
