@@ -62,7 +62,6 @@ inline table_scorer for_device(const table_scorer& s, std::vector<thrust::device
   return {thrust::raw_pointer_cast(tables.back().data())};
 }
 
-
 // Runs p on the CUDA executor over a device copy of `tc`, copies K, V and F back into
 // `tc`, and returns the results in the host executor's form.
 template <class P>
