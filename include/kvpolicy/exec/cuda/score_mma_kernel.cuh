@@ -39,14 +39,21 @@ inline constexpr int logit_pitch = mma_key_tile + 8;
 // Threads that split the window of one key in the score phase.
 inline constexpr int window_splits = row_threads / mma_key_tile;
 
+// Window partials per key of a tile: one per window split, or one per 16-row block
+// of queries when the reduces run in the fragments.
+KVP_HOST_DEVICE constexpr std::int32_t window_partials(std::int32_t w, std::int32_t G) {
+  return round16(w * G) / 16 > window_splits ? round16(w * G) / 16 : window_splits;
+}
+
 // Shared memory, in bytes: queries [round16(w G)][d + 8] and two key tiles
 // [64][d + 8] of 16-bit elements (the 8-element pad puts the 8 rows of an ldmatrix
 // on distinct banks), the tile's logits [round16(w G)][72], per query the softmax
-// statistics (max, sum) and those of the tile's two halves, and the window partials.
+// statistics (max, sum) and the running ones of its two 32-key halves, and the
+// window partials.
 KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, std::int32_t G, std::int32_t d) {
   const std::size_t rows = static_cast<std::size_t>(round16(w * G)), pitch = std::size_t(d) + 8;
   return (rows + 2 * mma_key_tile) * pitch * 2 + rows * logit_pitch * 4 + 3 * rows * 8 +
-         window_splits * mma_key_tile * 4;
+         std::size_t(window_partials(w, G)) * mma_key_tile * 4;
 }
 
 template <AttentionScorer S, dtype Elem>
@@ -81,8 +88,10 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
   auto* zs = reinterpret_cast<float*>(kbase + 2 * tile_elems);
   // Logits are kept in log2 units (z * log2 e) so that exp is one exp2.
   auto* stat = reinterpret_cast<float2*>(zs + std::size_t(rows) * zp);
-  float2* half_stat = stat + rows;  // [rows][2]: (max, sum) of each 32-key half of the tile
-  auto* part = reinterpret_cast<float*>(half_stat + 2 * rows);  // [window_splits][64]
+  // [rows][2]: running (max, sum) of each query over the keys of one 32-key half of
+  // every tile; the quad leader of the warp that owns (query, half) alone updates it.
+  float2* half_stat = stat + rows;
+  auto* part = reinterpret_cast<float*>(half_stat + 2 * rows);  // [window_partials][64]
 
   for (std::int32_t e = threadIdx.x; e < rows * (d / 8); e += blockDim.x) {
     const std::int32_t r = e / (d / 8), v = e % (d / 8);
@@ -91,7 +100,10 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
       val = reinterpret_cast<const uint4*>(q.row(rc.layer, it.query_slot, q.window - w + r / G, rc.head * G + r % G))[v];
     *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
   }
-  for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) stat[i] = {ninf, 0.0f};
+  for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    stat[i] = {ninf, 0.0f};
+    half_stat[2 * i] = half_stat[2 * i + 1] = {ninf, 0.0f};
+  }
   // Keys below plain_end are candidates visible to every window query, and no row is
   // padding: tiles under it skip the mask test (the scorer's optional visible_end).
   std::int32_t plain_end = 0;
@@ -106,23 +118,30 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
     __syncthreads();
     if (pass == 1)
       for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) {
+        float2 st = stat[i];
+        if (!by_logits) {
+          // The row's statistics from those of its two halves.
+          const float2 a = half_stat[2 * i], b = half_stat[2 * i + 1];
+          const float m = fmaxf(a.x, b.x);
+          const auto scaled = [&](float2 h) { return h.x == ninf ? 0.0f : h.y * exp2f(h.x - m); };
+          st = {m, scaled(a) + scaled(b)};
+        }
         // (max, 1 / sum); a row that sees no key gets (0, 0), so its terms are 0, not NaN.
-        const float2 st = stat[i];
         stat[i] = st.x == ninf ? float2{0.0f, 0.0f} : float2{st.x, 1.0f / st.y};
       }
     loader.copy(cache, kbase, mma_key_tile, min(mma_key_tile, n), 0);
     cp_async_commit();
     int buf = 0;
     for (std::int32_t tile = 0; tile < n; tile += mma_key_tile, buf ^= 1) {
+      // One barrier per tile: it publishes this tile and tells every warp is done
+      // with the other buffer, which the next tile's copy then overwrites.
+      cp_async_wait<0>();
+      __syncthreads();
       const std::int32_t next = tile + mma_key_tile;
       if (next < n) {
         loader.copy(cache, kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), next);
         cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
       }
-      __syncthreads();
 
       // Logits of the tile: warps take (16 queries x 32 keys) pieces.
       const std::uint16_t* kb = kbase + buf * tile_elems;
@@ -143,6 +162,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         // The thread's two query rows and their window positions, once per piece.
         // Masked keys are -inf; scale * log2(e) is applied inside one FFMA with the
         // row's max subtracted (max commutes with the positive scale).
+        float win[8] = {};  // in the fragments: the window sum over the piece's rows
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + window_pos(qi);
@@ -177,15 +197,18 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
             for (int k = 0; k < 8; ++k) e += exp2_ftz(fmaf(z[k], scale, -ms));
             e += __shfl_xor_sync(0xffffffffu, e, 1);
             e += __shfl_xor_sync(0xffffffffu, e, 2);
-            if (lane % 4 == 0) half_stat[2 * qi + piece % 2] = {m == ninf ? ninf : ms, e};
+            if (lane % 4 == 0 && m != ninf) {
+              float2& run = half_stat[2 * qi + piece % 2];
+              const float2 old = run;
+              const float m_new = fmaxf(old.x, ms);
+              run = {m_new, (old.x == ninf ? 0.0f : old.y * exp2f(old.x - m_new)) + e * exp2f(ms - m_new)};
+            }
           } else {
             // Probabilities in the fragments; the window and group reduces read them.
             const float2 st = qi < QW ? stat[qi] : float2{0.0f, 0.0f};
             float pr[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) pr[k] = s.transform(exp2_ftz(fmaf(z[k], scale, -st.x)) * st.y);
-            std::int32_t out_row = qi;
-            bool writes = true;
             if (in_fragments) {
               const bool by_max = s.group == group_reduce::max;
 #pragma unroll
@@ -201,27 +224,50 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
 #pragma unroll
                 for (int k = 0; k < 8; ++k) pr[k] *= 1.0f / static_cast<float>(G);  // exact: G is a power of two
               }
-              out_row = window_pos(qi);
-              writes = ((lane / 4) & (G - 1)) == 0 && qi < QW;  // G is a power of two
-            }
-            if (writes) {
-              float* prow = zs + std::size_t(out_row) * zp + n0 + (lane % 4) * 2;
+              // Every lane of the group holds the group's value: fold the row's
+              // window position in (padding rows and non-contributing pairs add 0).
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2 + e;
+                  if (qi < QW && s.contributes(pj, t)) win[2 * nt + e] += pr[2 * nt + e];
+                }
+            } else {
+              float* prow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
 #pragma unroll
               for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(prow + nt * 8) = {pr[2 * nt], pr[2 * nt + 1]};
             }
           }
         }
+        if (pass == 1 && in_fragments) {
+          // The other window positions of the piece: quads G apart hold them (the
+          // group's value repeats in each of its G quads).
+#pragma unroll
+          for (int o = 16; o >= 4; o >>= 1) {
+            if (o < 4 * G) break;  // uniform in the warp
+#pragma unroll
+            for (int k = 0; k < 8; ++k) win[k] += __shfl_xor_sync(0xffffffffu, win[k], o);
+          }
+          if (lane < 4) {
+            float* prow = part + std::size_t(m0 / 16) * mma_key_tile + n0 + lane * 2;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(prow + nt * 8) = {win[2 * nt], win[2 * nt + 1]};
+          }
+        }
       }
+      // Statistics in the fragments are complete: the next tile's barrier suffices.
+      if (pass == 0 && !by_logits) continue;
       __syncthreads();
 
-      if (pass == 0 && !by_logits) {
-        // Fold the two halves into the running statistics.
-        for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) {
-          const float2 old = stat[i], a = half_stat[2 * i], b = half_stat[2 * i + 1];
-          const float m_new = fmaxf(old.x, fmaxf(a.x, b.x));
-          if (m_new == ninf) continue;
-          const auto scaled = [&](float2 st) { return st.x == ninf ? 0.0f : st.y * exp2f(st.x - m_new); };
-          stat[i] = {m_new, (scaled(old) + scaled(a)) + scaled(b)};
+      if (pass == 1 && in_fragments) {
+        // A key's score: its window partials of every 16-row block, in block order.
+        const std::int32_t t = tile + static_cast<std::int32_t>(threadIdx.x);
+        if (threadIdx.x < static_cast<unsigned>(mma_key_tile) && t < n) {
+          float total = 0.0f;
+          for (std::int32_t rb = 0; rb < rows / 16; ++rb) total += part[rb * mma_key_tile + threadIdx.x];
+          scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
+              s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
         }
       } else if (pass == 0) {
         // Statistics per window position, of the group's max logit: four adjacent
@@ -267,9 +313,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         for (std::int32_t j = sub; valid && j < w; j += window_splits) {
           const std::int32_t pj = T - w + j;
           if (!s.contributes(pj, t)) continue;
-          if (in_fragments) {
-            acc += zs[std::size_t(j) * zp + key];  // group-reduced in the fragments
-          } else if (by_logits) {
+          if (by_logits) {
             float zz = ninf;
             for (std::int32_t g = 0; g < G; ++g) zz = fmaxf(zz, zs[std::size_t(j * G + g) * zp + key]);
             const float2 st = stat[j];
@@ -292,7 +336,6 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
               s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
         }
       }
-      __syncthreads();
     }
   }
 }
