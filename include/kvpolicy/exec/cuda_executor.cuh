@@ -90,7 +90,7 @@ struct cuda_executor {
   // records every branch. stage_marks 1 to 3 are then recorded with 4.
   cudaStream_t overlap_stream = nullptr;
   cudaEvent_t* overlap_events = nullptr;  // [2]
-  // 1 measured fastest on configuration A (H100: 2.08 ms, against 2.14 to 2.28 ms
+  // 1 measured fastest on configuration A (H100: 2.06 ms, against 2.10 to 2.21 ms
   // for 2 to 4 groups).
   std::int32_t overlap_groups = 1;  // at least 1 when overlap_stream is set
 
