@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include <cub/block/block_scan.cuh>
+
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
@@ -20,12 +22,18 @@ KVP_HOST_DEVICE constexpr std::size_t epilogue_smem_floats(std::int32_t max_toke
   return 2 * std::size_t(max_tokens);
 }
 
+// The radix select's digit search: one thread per 8-bit digit.
+static_assert(row_threads == 256, "the radix select gives each of the 256 digits a thread");
+using digit_scan = cub::BlockScan<std::int32_t, row_threads>;
+
 struct epilogue_shared {
   typename block_reduce::TempStorage reduce;
+  typename digit_scan::TempStorage scan;
   float broadcast;
   std::uint32_t hist[256];
   std::uint64_t prefix;
   std::int32_t remaining;
+  bool settled;  // every key under the prefix is kept: lower digits change nothing
 };
 
 // Applies an aggregator (or a `then` of two) to s[0, n), as host::apply_aggregate.
@@ -123,7 +131,8 @@ __global__ void __launch_bounds__(row_threads) epilogue_kernel(P p, paged_kv_vie
     if (p.protect.covers(t, T) || t >= n) s[t] = inf;
   __syncthreads();
 
-  // Radix select of the keep_count-th largest composite key, 8 bits at a time.
+  // Radix select of the keep_count-th largest composite key, 8 bits at a time; the
+  // threshold keeps exactly the keep_count largest keys (they are all distinct).
   std::int32_t keep_count = T;
   std::uint64_t threshold = 0;
   if constexpr (!std::same_as<Sel, none>) {
@@ -131,28 +140,35 @@ __global__ void __launch_bounds__(row_threads) epilogue_kernel(P p, paged_kv_vie
     if (threadIdx.x == 0) {
       sh.prefix = 0;
       sh.remaining = keep_count;
+      sh.settled = false;
     }
     std::uint64_t mask = 0;
     for (int shift = 56; shift >= 0; shift -= 8) {
-      for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+      sh.hist[threadIdx.x] = 0;
       __syncthreads();
       const std::uint64_t prefix = sh.prefix;
+      const std::int32_t remaining = sh.remaining;
       for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
         const std::uint64_t key = rank_bits(p.select.rank_key(s[t], t, T), t);
         if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xffu], 1u);
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
-        std::int32_t above = 0, digit = 255;
-        for (; digit > 0; --digit) {
-          if (above + static_cast<std::int32_t>(sh.hist[digit]) >= sh.remaining) break;
-          above += static_cast<std::int32_t>(sh.hist[digit]);
-        }
-        sh.remaining -= above;
+      // Thread i holds digit 255 - i; counts from the top digit down, the selected
+      // digit is the first whose running count reaches `remaining` (the last digit
+      // when none does, 255 when nothing remains: as a serial walk would choose).
+      const std::int32_t i = static_cast<std::int32_t>(threadIdx.x), digit = 255 - i;
+      const auto count = static_cast<std::int32_t>(sh.hist[digit]);
+      std::int32_t through = 0;
+      digit_scan(sh.scan).InclusiveSum(count, through);
+      const std::int32_t above = through - count;
+      if ((through >= remaining || i == 255) && (i == 0 || above < remaining)) {
+        sh.remaining = remaining - above;
         sh.prefix = prefix | (static_cast<std::uint64_t>(digit) << shift);
+        sh.settled = count == remaining - above;
       }
       mask |= 0xffull << shift;
       __syncthreads();
+      if (sh.settled) break;  // keys >= the prefix with zero low bits are exactly the kept ones
     }
     threshold = sh.prefix;
   }
