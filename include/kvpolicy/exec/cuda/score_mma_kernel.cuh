@@ -24,6 +24,17 @@ __device__ inline float exp2_ftz(float x) {
   return y;
 }
 
+// Softmax statistics are (max, sum of 2^(z - max)) in log2 units; a set of logits
+// whose max is -inf is empty. rescaled_sum: a set's sum relative to a max m >= its own.
+__device__ inline float rescaled_sum(float2 st, float m) {
+  return st.x == -__builtin_huge_valf() ? 0.0f : st.y * exp2f(st.x - m);
+}
+// Running statistics `run` joined by a nonempty set of max m and sum `sum`.
+__device__ inline float2 merge_nonempty(float2 run, float m, float sum) {
+  const float m_new = fmaxf(run.x, m);
+  return {m_new, rescaled_sum(run, m_new) + sum * exp2f(m - m_new)};
+}
+
 // Keys per tile of the tensor-core scorer.
 inline constexpr int mma_key_tile = 64;
 
@@ -123,8 +134,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
           // The row's statistics from those of its two halves.
           const float2 a = half_stat[2 * i], b = half_stat[2 * i + 1];
           const float m = fmaxf(a.x, b.x);
-          const auto scaled = [&](float2 h) { return h.x == ninf ? 0.0f : h.y * exp2f(h.x - m); };
-          st = {m, scaled(a) + scaled(b)};
+          st = {m, rescaled_sum(a, m) + rescaled_sum(b, m)};
         }
         // (max, 1 / sum); a row that sees no key gets (0, 0), so its terms are 0, not NaN.
         stat[i] = st.x == ninf ? float2{0.0f, 0.0f} : float2{st.x, 1.0f / st.y};
@@ -199,9 +209,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
             e += __shfl_xor_sync(0xffffffffu, e, 2);
             if (lane % 4 == 0 && m != ninf) {
               float2& run = half_stat[2 * qi + piece % 2];
-              const float2 old = run;
-              const float m_new = fmaxf(old.x, ms);
-              run = {m_new, (old.x == ninf ? 0.0f : old.y * exp2f(old.x - m_new)) + e * exp2f(ms - m_new)};
+              run = merge_nonempty(run, ms, e);
             }
           } else {
             // Probabilities in the fragments; the window and group reduces read them.
@@ -299,9 +307,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
           e += __shfl_xor_sync(0xffffffffu, e, 2);
           // Only the quad's first thread touches the running statistics of row i.
           if (idx % 4 == 0 && i < stat_rows && m != ninf) {
-            const float2 old = stat[i];
-            const float m_new = fmaxf(old.x, m);
-            stat[i] = {m_new, (old.x == ninf ? 0.0f : old.y * exp2f(old.x - m_new)) + e * exp2f(m - m_new)};
+            stat[i] = merge_nonempty(stat[i], m, e);
           }
         }
       } else {
