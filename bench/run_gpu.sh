@@ -2,23 +2,28 @@
 # kvpolicy benchmarks on the GPU machine: configure, build, run kvpolicy_bench and the
 # PyTorch reference, everything logged to $OUT.
 #
-#   OUT=/path/to/out bash bench/run_gpu.sh [--quick]
+#   OUT=/path/to/out bash bench/run_gpu.sh [--quick] [--prebuilt DIR]
 #
 # Run from the repository root. Uses fmt and Google Benchmark unpacked under
 # .deps/root/usr (Debian's libfmt-dev / libbenchmark-dev) when present.
-#   --quick   only the copy, e2e/zipage/A, stage/zipage/A, scale_tokens/zipage/2304 and
+#   --quick   only the copy, e2e/zipage/A, e2e_overlap4/zipage/A, stage/zipage/A (each also
+#             /per_row), scale_tokens/zipage/2304 and
 #             redundancy/*/2304 rows, and the reference at T = 2304 only
+#   --prebuilt DIR  run the binaries of a bundle made by scripts/gpu_bundle.sh
+#             (DIR/bin/kvpolicy_bench, DIR/lib/libkvp_capi.so): no configure, no build
 # Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90a).
 # Writes: bench.json, reference.json (bf16), reference_fp32.json (fp32 mask check),
 #         configure.log, build.log, bench.log, reference*.log, run.log, nvidia-smi.txt
 set -uo pipefail
 
 QUICK=0
-for arg in "$@"; do
-  case "$arg" in
-    --quick) QUICK=1 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) echo "run_gpu.sh: unknown argument $arg" >&2; exit 2 ;;
+PREBUILT=
+while (($#)); do
+  case "$1" in
+    --quick) QUICK=1; shift ;;
+    --prebuilt) PREBUILT=$(cd "${2:?--prebuilt needs a folder}" && pwd) || exit 2; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "run_gpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 : "${OUT:?set OUT to the output directory}"
@@ -63,23 +68,31 @@ log "repo $ROOT, build $BUILD, out $OUT, quick $QUICK"
 { nvidia-smi; nvcc --version; cmake --version; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   > "$OUT/nvidia-smi.txt" 2>&1 || true
 
-step configure configure.log cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-  -DKVPOLICY_BUILD_BENCHMARKS=ON -DKVPOLICY_BUILD_TESTS=OFF -DKVPOLICY_BUILD_EXAMPLES=OFF \
-  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" || { log "configure failed"; exit 1; }
-step build build.log cmake --build "$BUILD" -j"$JOBS" --target kvpolicy_bench kvp_capi || { log "build failed"; exit 1; }
-
-BENCH=$(find "$BUILD" -type f -name kvpolicy_bench -perm -u+x | head -n 1)
-CAPI=$(find "$BUILD" -type f -name libkvp_capi.so | head -n 1)
+if [[ -n $PREBUILT ]]; then
+  log "prebuilt: $(head -n 2 "$PREBUILT/BUILD_INFO" 2>/dev/null | tr '\n' ' ')"
+  export LD_LIBRARY_PATH="$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  BENCH=$PREBUILT/bin/kvpolicy_bench
+  CAPI=$PREBUILT/lib/libkvp_capi.so
+  [[ -x $BENCH ]] || BENCH=
+  [[ -f $CAPI ]] || CAPI=
+else
+  step configure configure.log cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+    -DKVPOLICY_BUILD_BENCHMARKS=ON -DKVPOLICY_BUILD_TESTS=OFF -DKVPOLICY_BUILD_EXAMPLES=OFF \
+    -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" || { log "configure failed"; exit 1; }
+  step build build.log cmake --build "$BUILD" -j"$JOBS" --target kvpolicy_bench kvp_capi || { log "build failed"; exit 1; }
+  BENCH=$(find "$BUILD" -type f -name kvpolicy_bench -perm -u+x | head -n 1)
+  CAPI=$(find "$BUILD" -type f -name libkvp_capi.so | head -n 1)
+fi
 
 # Google Benchmark: every row has explicit iterations (gkv/rkv and full redundancy few).
 BENCH_ARGS=(--benchmark_out="$OUT/bench.json" --benchmark_out_format=json --benchmark_counters_tabular=true)
 if [[ $QUICK -eq 1 ]]; then
-  BENCH_ARGS+=(--benchmark_filter='^(copy|e2e/zipage/A|stage/zipage/A|scale_tokens/zipage/2304|redundancy/(lightning|full)/2304)/')
+  BENCH_ARGS+=(--benchmark_filter='^(copy|e2e/zipage/A|e2e_overlap4/zipage/A|stage/zipage/A|scale_tokens/zipage/2304|redundancy/(lightning|lightning_batched|full)/2304)/')
 fi
 if [[ -n "$BENCH" ]]; then
   step bench bench.log "$BENCH" "${BENCH_ARGS[@]}"
 else
-  log "kvpolicy_bench not found under $BUILD"; FAILED+=(bench)
+  log "kvpolicy_bench not found under ${PREBUILT:-$BUILD}"; FAILED+=(bench)
 fi
 
 # The PyTorch reference: fp32 (the mask check; timed too), then bf16 (the timing).
@@ -94,7 +107,7 @@ if [[ -n "$CAPI" ]]; then
       --out "$OUT/reference.json"
   fi
 else
-  log "libkvp_capi.so not found under $BUILD"; FAILED+=(reference)
+  log "libkvp_capi.so not found under ${PREBUILT:-$BUILD}"; FAILED+=(reference)
 fi
 
 log "done in $((SECONDS - START)) s; failed: ${FAILED[*]:-none}"
