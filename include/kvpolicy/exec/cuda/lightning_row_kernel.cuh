@@ -24,6 +24,47 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
+// A warp's 16 rows [m0, m0 + 16) of one block's Gram matrix (count real keys, inverse
+// norms `inv`), folded tile by tile, then stored as each row's sum and newest neighbour.
+struct similarity_strip {
+  std::int32_t m0, count;
+  std::int32_t u[2];  // the lane's two rows
+  similarity_rows st;
+
+  __device__ similarity_strip(std::int32_t first_row, std::int32_t keys, const float* inv)
+      : m0(first_row), count(keys) {
+    const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+    u[0] = m0 + lane / 4;
+    u[1] = m0 + lane / 4 + 8;
+    st.inv[0] = u[0] < count ? inv[u[0]] : 0.0f;
+    st.inv[1] = u[1] < count ? inv[u[1]] : 0.0f;
+  }
+
+  // The tile of columns [v0, v0 + 64); bounds and the diagonal are tested only in the
+  // tiles that need them.
+  __device__ void fold(const float (&acc)[8][4], std::int32_t v0, const float* inv, float theta) {
+    const std::int32_t diag[2] = {u[0] - v0, u[1] - v0};
+    if (v0 + gram_tile_columns <= count && (v0 >= m0 + 16 || m0 >= v0 + gram_tile_columns))
+      fold_similarities<false>(st, acc, inv + v0, v0, gram_tile_columns, diag, theta);
+    else
+      fold_similarities<true>(st, acc, inv + v0, v0, count - v0, diag, theta);
+  }
+
+  // Row sums and newest neighbours (as positions pos0 + column, or -1) of the real rows.
+  __device__ void store(std::int32_t pos0, float* rowsum, std::int32_t* newest, float* newest_c) {
+    const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
+      if (lane % 4 == 0 && u[h] < count) {
+        rowsum[u[h]] = st.sum[h];
+        newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];
+        newest_c[u[h]] = st.near_c[h];
+      }
+    }
+  }
+};
+
 // Four warpgroups: a 256-token block is four 64-row tiles, one per warpgroup.
 inline constexpr int lightning_row_threads = 512;
 
@@ -96,20 +137,9 @@ __global__ void __launch_bounds__(lightning_row_threads, 1) lightning_row_kernel
     __syncthreads();
 
     for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
-      // This warp's 16 rows of the tile, and the lane's two of them.
+      // This warp's 16 rows of the tile.
       const std::int32_t m0 = t0 + warp_row;
-      const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
-      similarity_rows st;
-      st.inv[0] = u[0] < count ? inv[u[0]] : 0.0f;
-      st.inv[1] = u[1] < count ? inv[u[1]] : 0.0f;
-      // Bounds and the diagonal are tested only in the tiles that need them.
-      const auto fold = [&](const float(&acc)[8][4], std::int32_t v0) {
-        const std::int32_t diag[2] = {u[0] - v0, u[1] - v0};
-        if (v0 + gram_tile_columns <= count && (v0 >= m0 + 16 || m0 >= v0 + gram_tile_columns))
-          fold_similarities<false>(st, acc, inv + v0, v0, gram_tile_columns, diag, theta);
-        else
-          fold_similarities<true>(st, acc, inv + v0, v0, count - v0, diag, theta);
-      };
+      similarity_strip strip(m0, count, inv);
 #if KVP_CUDA_WGMMA
       // Two accumulator sets, named (a run-time index would put them in local memory):
       // the tile of columns v0 + 64 is on the tensor cores while tile v0 is folded.
@@ -129,7 +159,7 @@ __global__ void __launch_bounds__(lightning_row_threads, 1) lightning_row_kernel
           wgmma_wait<0>();
         }
         wgmma_fence_operands(acc0);
-        fold(acc0, v0);
+        strip.fold(acc0, v0, inv, theta);
         if (!more) break;
         more = v2 < rows;
         if (more) {
@@ -139,24 +169,16 @@ __global__ void __launch_bounds__(lightning_row_threads, 1) lightning_row_kernel
           wgmma_wait<0>();
         }
         wgmma_fence_operands(acc1);
-        fold(acc1, v1);
+        strip.fold(acc1, v1, inv, theta);
       }
 #else
       for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
         float acc[8][4] = {};
         gram_tile<Elem>(acc, keys + at(m0, 0), keys + at(v0, 0), rows - v0, d, at.pitch);
-        fold(acc, v0);
+        strip.fold(acc, v0, inv, theta);
       }
 #endif
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
-        if (lane % 4 == 0 && u[h] < count) {
-          rowsum[u[h]] = st.sum[h];
-          newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];
-          newest_c[u[h]] = st.near_c[h];
-        }
-      }
+      strip.store(pos0, rowsum, newest, newest_c);
     }
     __syncthreads();
     subtract_dropped_by_chunks(rowsum, newest, newest_c, dropped, count, pos0, pitch);
