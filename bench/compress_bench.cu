@@ -12,7 +12,6 @@
 //   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
 //   redundancy/full/<T>             the same with all-pairs redundancy (quadratic)
 //   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
-//   */per_row rows                  the same with cuda_executor::lightning_per_row (experimental)
 //
 // Configuration A: 16 sequences, 8 layers per launch, h_kv 8, h_q 32, d 128, b 256,
 // N_max 9 (T = 2304 tokens held, the last block full), w 16, bf16, budget
@@ -343,16 +342,12 @@ struct bench_case {
   void prepare(const P& p) {
     kvp::cuda_executor ex;
     ex.stream = stream;
-    ex.lightning_per_row = lightning_per_row;
     std::size_t bytes = 0;
     KVP_BENCH_CHECK(ex.compress(nullptr, bytes, p, cache, queries, scores, batch, result));
     temp = dbuf(std::max<std::size_t>(bytes, 256));
   }
 
   // Overlap: a second stream and the fork and join events, used when groups > 0.
-  // cuda_executor::lightning_per_row for every run of this case.
-  bool lightning_per_row = false;
-
   struct overlap {
     cudaStream_t side = nullptr;
     cudaEvent_t* events = nullptr;
@@ -364,7 +359,6 @@ struct bench_case {
     kvp::cuda_executor ex;
     ex.stream = stream;
     ex.stage_marks = marks;
-    ex.lightning_per_row = lightning_per_row;
     if (o.groups > 0) {
       ex.overlap_stream = o.side;
       ex.overlap_events = o.events;
@@ -448,13 +442,11 @@ void set_rate(benchmark::State& state, const std::string& prefix, double bytes, 
 // whole compression (e2e, stage) or the redundancy stage alone (redundancy); the
 // cache is restored before each iteration, outside the timed region.
 template <class P>
-void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind, std::int32_t groups = 0,
-                    bool per_row = false) {
+void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind, std::int32_t groups = 0) {
   try {
     s.window = std::max(s.window, kvp::scorer_window(p.scorer));
     stream_guard stream;
     bench_case bc(s, stream);
-    bc.lightning_per_row = per_row;
     bc.prepare(p);
     const std::int64_t moved = bc.count_moved(p);  // also the warm-up
     const bytes_of model = model_bytes(p, s, moved);
@@ -575,9 +567,9 @@ struct zipage_full
 
 template <class P>
 void add_row(const std::string& name, const P& p, const shape& s, row_kind kind, int iterations,
-             std::int32_t overlap_groups = 0, bool per_row = false) {
-  benchmark::RegisterBenchmark(name.c_str(), [p, s, kind, overlap_groups, per_row](benchmark::State& st) {
-    bench_pipeline(st, p, s, kind, overlap_groups, per_row);
+             std::int32_t overlap_groups = 0) {
+  benchmark::RegisterBenchmark(name.c_str(), [p, s, kind, overlap_groups](benchmark::State& st) {
+    bench_pipeline(st, p, s, kind, overlap_groups);
   })
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond)
@@ -604,11 +596,6 @@ void register_all() {
 
   // Per stage, configuration A, zipage.
   add_row("stage/zipage/A", kvp::presets::zipage{}, a, row_kind::stage, 30);
-
-  // The experimental per-row lightning kernel on the same rows, for an A/B in one run.
-  add_row("e2e/zipage/A/per_row", kvp::presets::zipage{}, a, row_kind::e2e, 30, 0, true);
-  add_row("e2e_overlap4/zipage/A/per_row", kvp::presets::zipage{}, a, row_kind::e2e, 30, 4, true);
-  add_row("stage/zipage/A/per_row", kvp::presets::zipage{}, a, row_kind::stage, 30, 0, true);
 
   // Scaling in sequences (T 2304) and in tokens held (16 sequences).
   for (int seqs : {1, 4, 16, 64}) {
@@ -637,8 +624,6 @@ void register_all() {
     batched.n_max = n_max;
     add_row("redundancy/lightning_batched/" + T, kvp::presets::zipage{}, batched, row_kind::redundancy,
             n_max >= 36 ? 5 : 10);
-    add_row("redundancy/lightning_batched/" + T + "/per_row", kvp::presets::zipage{}, batched, row_kind::redundancy,
-            n_max >= 36 ? 5 : 10, 0, true);
   }
 }
 

@@ -6,9 +6,9 @@
 #
 # Run from the repository root. Uses fmt and Google Benchmark unpacked under
 # .deps/root/usr (Debian's libfmt-dev / libbenchmark-dev) when present.
-#   --quick   only the copy, e2e/zipage/A, e2e_overlap4/zipage/A, stage/zipage/A (each also
-#             /per_row), scale_tokens/zipage/2304 and
-#             redundancy/*/2304 rows, and the reference at T = 2304 only
+#   --quick   only the copy, e2e/zipage/A, e2e_overlap4/zipage/A, stage/zipage/A,
+#             scale_tokens/zipage/2304 and redundancy/*/2304 rows, and the reference
+#             at T = 2304 only
 #   --prebuilt DIR  run the binaries of a bundle made by scripts/gpu_bundle.sh
 #             (DIR/bin/kvpolicy_bench, DIR/lib/libkvp_capi.so): no configure, no build
 # Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90a).

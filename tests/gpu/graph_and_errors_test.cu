@@ -145,9 +145,8 @@ TEST_CASE("malformed shapes throw before any launch") {
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, bad, dev.queries, dev.scores,
                                                 out.batch, out.result),
                   kvp::error);
-  // Options that cannot hold are errors naming the field: the overlap (events, a
-  // group count, a second stream) and the per-row lightning kernel.
-  const auto named_error = [&](const kvp::cuda_executor& ex, const char* field) {
+  // The overlap option: events, a group count and a second stream, each named.
+  const auto overlap_error = [&](const kvp::cuda_executor& ex, const char* field) {
     try {
       (void)ex.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, dev.scores, out.batch, out.result);
       FAIL("compress() did not throw for ", field);
@@ -159,11 +158,10 @@ TEST_CASE("malformed shapes throw before any launch") {
   cudaStream_t side;
   cudaEvent_t fork_join[2] = {};
   REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  named_error({.overlap_stream = side}, "overlap_events");
-  named_error({.overlap_stream = side, .overlap_events = fork_join, .overlap_groups = 0}, "overlap_groups");
-  named_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
+  overlap_error({.overlap_stream = side}, "overlap_events");
+  overlap_error({.overlap_stream = side, .overlap_events = fork_join, .overlap_groups = 0}, "overlap_groups");
+  overlap_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
   cudaStreamDestroy(side);
-  named_error({.tensor_cores = false, .lightning_per_row = true}, "lightning_per_row");
   auto no_f = dev.scores;
   no_f.base = nullptr;
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, no_f,

@@ -6,8 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -36,7 +34,7 @@ struct parity_report {
 
 template <class P>
 void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp::batch_item>& items,
-                  parity_report& rep, bool tensor_cores, std::int32_t overlap_groups = 0, bool per_row = false) {
+                  parity_report& rep, bool tensor_cores, std::int32_t overlap_groups = 0) {
   gpu_case c(cfg);
   const std::int32_t H = cfg.kv_heads, L = cfg.layers;
   std::int32_t max_tokens = 0;
@@ -53,7 +51,6 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   device_outputs out(items, max_tokens, L * H, c.max_blocks);
   kvp::cuda_executor cx;
   cx.tensor_cores = tensor_cores;
-  cx.lightning_per_row = per_row && cfg.type != kvp::dtype::f32;  // a tensor-core kernel
   // Overlap: redundancy on a second stream, item groups pipelined over the two.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
@@ -136,7 +133,7 @@ int scaled(int cases) {
 
 template <class P>
 void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep,
-                bool tensor_cores = true, std::int32_t overlap_groups = 0, bool per_row = false) {
+                bool tensor_cores = true, std::int32_t overlap_groups = 0) {
   std::mt19937 rng(seed0);
   cases = scaled(cases);
   const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128}, groups[] = {1, 4, 8};
@@ -172,7 +169,7 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
     std::shuffle(items.begin(), items.end(), rng);
     INFO(std::string(name), " case ", k, ": b ", b, " d ", cfg.head_dim, " h_kv ", cfg.kv_heads, " h_q ", cfg.q_heads, " ",
          kvp::name_of(cfg.type), " layout ", static_cast<int>(cfg.layout), " lengths ", cfg.lengths[0]);
-    check_parity(preset, cfg, items, rep, tensor_cores, overlap_groups, per_row);
+    check_parity(preset, cfg, items, rep, tensor_cores, overlap_groups);
   }
 }
 
@@ -199,58 +196,8 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);
   run_random("zipage/overlap1", kvp::presets::zipage{}, 15, 13, rep, true, 1);
   run_random("rkv/overlap", kvp::presets::rkv{}, 15, 12, rep, true, 2);
-  run_random("zipage/lightning_per_row", kvp::presets::zipage{}, 30, 14, rep, true, 0, true);
-  run_random("zipage/lightning_per_row/overlap", kvp::presets::zipage{}, 10, 15, rep, true, 2, true);
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences, max |score error| {:.3g}"), rep.tokens,
                       rep.mask_mismatches, rep.max_score_error));
-}
-
-// cuda_executor::lightning_per_row streams each row's cache blocks through one thread
-// block; its tiles and folds are those of the per-block kernel in the same order, so
-// every score, mask and byte must be the same bits.
-TEST_CASE("lightning per row: the same bits as one thread block per cache block") {
-  std::mt19937 rng(21);
-  const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128};
-  for (int k = 0; k < scaled(24); ++k) {
-    case_config cfg;
-    cfg.block_size = blocks[k % 3];
-    cfg.head_dim = dims[(k / 3) % 2];
-    cfg.type = k % 2 ? kvp::dtype::bf16 : kvp::dtype::f16;
-    cfg.kv_heads = 1 + static_cast<std::int32_t>(rng() % 2);
-    cfg.q_heads = cfg.kv_heads * 4;
-    cfg.layers = 2;
-    cfg.seed = rng();
-    const std::int32_t b = cfg.block_size, n_max = b == 256 ? 3 : 5;
-    cfg.lengths.clear();
-    std::vector<kvp::batch_item> items;
-    for (std::int32_t s = 0; s < 3; ++s) {
-      const std::int32_t T = n_max * b - (s == 1 ? static_cast<std::int32_t>(rng() % (b / 2)) : 0);
-      cfg.lengths.push_back(T);
-      items.push_back({s, s, (n_max - 1) * b - (s == 1 ? b : 0), s == 2 ? (n_max - 1) * b : 0});
-    }
-    INFO("case ", k, ": b ", b, " d ", cfg.head_dim, " ", kvp::name_of(cfg.type));
-    gpu_case c(cfg);
-    std::int32_t max_tokens = 0;
-    for (auto T : cfg.lengths) max_tokens = std::max(max_tokens, T);
-    const kvp::presets::zipage z;
-    device_side per_block(c), per_row(c);
-    device_outputs out_block(items, max_tokens, cfg.layers * cfg.kv_heads, c.max_blocks);
-    device_outputs out_row(items, max_tokens, cfg.layers * cfg.kv_heads, c.max_blocks);
-    kvp::cuda_executor cx;
-    REQUIRE_EQ(cudaSuccess, out_block.run(cx, z, per_block));
-    cx.lightning_per_row = true;
-    REQUIRE_EQ(cudaSuccess, out_row.run(cx, z, per_row));
-    REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
-    REQUIRE(to_host(out_row.status)[0] == 0);
-    const auto a = to_host(out_block.final_scores), r = to_host(out_row.final_scores);
-    REQUIRE(a.size() == r.size());
-    std::size_t differ = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &r[i], sizeof(float)) != 0;
-    CHECK_MESSAGE(differ == 0, differ, " final scores differ in their bits");
-    CHECK(to_host(out_block.keep) == to_host(out_row.keep));
-    CHECK(to_host(per_block.kv) == to_host(per_row.kv));
-    CHECK(to_host(per_block.f) == to_host(per_row.f));
-  }
 }
 
 TEST_CASE("parity: rows too long for shared memory take the global-memory epilogue") {

@@ -28,7 +28,6 @@
 #include "kvpolicy/exec/cuda/score_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/lightning_mma_kernel.cuh"
-#include "kvpolicy/exec/cuda/lightning_row_kernel.cuh"
 #include "kvpolicy/exec/cuda/full_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/validate_kernel.cuh"
 #include "kvpolicy/exec/device_status.hpp"
@@ -94,12 +93,6 @@ struct cuda_executor {
   // The best count depends on the batch: on configuration A (16 items, H100) 4 groups
   // measured 1.95 ms, 1 group 2.02, 2 / 3 / 6 / 8 groups 2.00 / 2.06 / 2.13 / 2.31.
   std::int32_t overlap_groups = 1;  // at least 1 when overlap_stream is set
-  // Experimental, not yet run on a GPU: lightning redundancy with one thread block per
-  // (item, layer, KV head) streaming its cache blocks through two key buffers
-  // (cuda::lightning_row_kernel) instead of one block per cache block; the same
-  // results to the bit. Needs tensor cores (f16/bf16) and two blocks of keys in
-  // shared memory.
-  bool lightning_per_row = false;
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
@@ -207,7 +200,7 @@ struct cuda_executor {
     std::uint8_t* keep = (out.keep_masks ? out.keep_masks : reinterpret_cast<std::uint8_t*>(ws + plan.keep)) + at;
     const auto launch_on = [&](cudaStream_t stream_of_stage) {
       return [=](auto kernel, unsigned grid_y, std::size_t smem, auto... args) {
-        launch(stream_of_stage, kernel, rows, grid_y, smem, static_cast<unsigned>(cuda::row_threads), args...);
+        launch(stream_of_stage, kernel, rows, grid_y, smem, args...);
       };
     };
     const auto launch_score = launch_on(on.score), launch_red = launch_on(on.redundancy), launch_tail = launch_on(on.tail);
@@ -232,16 +225,7 @@ struct cuda_executor {
       const std::int32_t d = cache.head_dim;
       if constexpr (R::pairs == redundancy::scope::block) {
         const auto blocks = static_cast<unsigned>(blocks_per_item);
-        if (mma_keys(cache) && lightning_per_row) {
-          const auto smem = cuda::lightning_row_smem_bytes(cache.block_size, d);
-          constexpr unsigned threads = cuda::lightning_row_threads;
-          if (cache.type == dtype::bf16)
-            launch(on.redundancy, cuda::lightning_row_kernel<P, dtype::bf16>, rows, 1, smem, threads, pv, cache, rs,
-                   red_buf);
-          else
-            launch(on.redundancy, cuda::lightning_row_kernel<P, dtype::f16>, rows, 1, smem, threads, pv, cache, rs,
-                   red_buf);
-        } else if (mma_keys(cache)) {
+        if (mma_keys(cache)) {
           const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
           if (cache.type == dtype::bf16)
             launch_red(cuda::lightning_mma_kernel<P, dtype::bf16>, blocks, smem, pv, cache, rs, red_buf);
@@ -408,29 +392,17 @@ struct cuda_executor {
         require(need <= limit,
                 "cache.block_size", "is {}; a block of {}-dim keys exceeds {} bytes of shared memory", cache.block_size,
                 cache.head_dim, limit);
-        if (lightning_per_row) {
-          require(mma_keys(cache), "lightning_per_row",
-                  "is set, but the per-row kernel runs on tensor cores only: the cache is {} with head_dim {}, "
-                  "tensor_cores {}",
-                  name_of(cache.type), cache.head_dim, tensor_cores);
-          const std::size_t two = cuda::lightning_row_smem_bytes(cache.block_size, cache.head_dim);
-          require(two <= limit, "lightning_per_row",
-                  "is set, but two blocks of {} {}-dim keys take {} bytes of shared memory, over the device's {}",
-                  cache.block_size, cache.head_dim, two, limit);
-        }
       }
     }
   }
 
-  // A launch of `threads` threads per block (cuda::row_threads unless a kernel says otherwise).
   template <class Kernel, class... Args>
-  static void launch(cudaStream_t on, Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem,
-                     unsigned threads, Args... args) {
+  static void launch(cudaStream_t on, Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem, Args... args) {
     // Dynamic shared memory beyond 48 KB minus the kernel's static shared memory (CUB's
     // scans, say) needs the opt-in; any launch that asks for some opts in, so a
     // request just under 48 KB does not fail on top of static storage.
     if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    kernel<<<dim3(grid_x, grid_y), threads, smem, on>>>(args...);
+    kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, on>>>(args...);
   }
 };
 

@@ -91,13 +91,6 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
   return std::size_t(block) * (std::size_t(d) + 4) + 4 * std::size_t(block);
 }
 
-// The sum of `sim` over the lanes of `peers` (those naming one target), in lane order.
-__device__ inline float sum_over_peers(unsigned peers, float sim) {
-  float total = 0.0f;
-  for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, sim, __ffs(m) - 1);
-  return total;
-}
-
 // red(t) = rowsum(t) - C(u, t) for every u whose newest neighbour is t. Called by one
 // warp: u in chunks of 32, lanes naming the same t subtract in lane order, so the
 // result does not depend on scheduling. `sums` and `newest` are indexed from pos0.
@@ -112,45 +105,12 @@ __device__ inline void subtract_dropped(float* sums, const std::int32_t* newest,
     // Lanes without a neighbour (target -1) share one group and subtract nothing:
     // they skip the fold, which would otherwise walk all of them.
     if (target >= 0) {
-      const float total = sum_over_peers(peers, c);
+      float total = 0.0f;
+      for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, c, __ffs(m) - 1);
       if (lane == __ffs(peers) - 1) sums[target - pos0] -= total;
     }
     __syncwarp();
   }
-}
-
-// subtract_dropped with every warp of the block taking chunks of 32 u at once: each
-// chunk's totals per target go to dropped[chunk][target - pos0] (pitch `pitch`, zero
-// where the chunk names no target), then each t subtracts its chunks' totals in chunk
-// order. Subtracting a zero leaves a float unchanged, so the sums are subtract_dropped's
-// to the bit. Every thread of the block calls it; it ends with a barrier.
-__device__ inline void subtract_dropped_by_chunks(float* sums, const std::int32_t* newest, const float* newest_c,
-                                                  float* dropped, std::int32_t count, std::int32_t pos0,
-                                                  std::int32_t pitch) {
-  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const std::int32_t chunks = (count + 31) / 32;
-  for (std::int32_t c = 0; c < chunks; ++c)
-    for (auto t = static_cast<std::int32_t>(threadIdx.x); t < count; t += static_cast<std::int32_t>(blockDim.x))
-      dropped[c * pitch + t] = 0.0f;
-  __syncthreads();
-  for (std::int32_t c = warp; c < chunks; c += warps) {
-    const std::int32_t u = c * 32 + lane;
-    const std::int32_t target = u < count ? newest[u] : -1;
-    const float sim = u < count ? newest_c[u] : 0.0f;
-    const unsigned peers = __match_any_sync(0xffffffffu, target);
-    if (target >= 0) {
-      const float total = sum_over_peers(peers, sim);
-      if (lane == __ffs(peers) - 1) dropped[c * pitch + target - pos0] = total;
-    }
-    __syncwarp();
-  }
-  __syncthreads();
-  for (auto t = static_cast<std::int32_t>(threadIdx.x); t < count; t += static_cast<std::int32_t>(blockDim.x)) {
-    float s = sums[t];
-    for (std::int32_t c = 0; c < chunks; ++c) s -= dropped[c * pitch + t];
-    sums[t] = s;
-  }
-  __syncthreads();
 }
 
 // One block per (row, cache block of b tokens): all pairs of the block in shared

@@ -40,11 +40,9 @@ __device__ inline void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-// Waits until at most `Pending` committed groups of this warpgroup are in flight.
-template <int Pending>
-__device__ inline void wgmma_wait() {
+__device__ inline void wgmma_wait_all() {
 #if KVP_CUDA_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
 // Shared memory written by ordinary stores or cp.async becomes visible to wgmma
@@ -100,13 +98,11 @@ __device__ inline void wgmma_fence_operands(float (&acc)[Tiles][4]) {
 }
 
 // acc = A B^T over d (a multiple of 16) for the 64 rows at `a` and the N rows at `b`
-// (both in core_matrices layout for this d), issued by a whole warpgroup as one
-// committed group and not waited for: acc must not be touched until a
-// wgmma_wait<P>() leaves this group done, then wgmma_fence_operands(acc). Each warp
-// gets its 16 rows of A against all N columns.
+// (both in core_matrices layout for this d): issued by a whole warpgroup, waited
+// for here. Each warp gets its 16 rows of A against all N columns.
 template <dtype Elem, int N>
-__device__ inline void wgmma_gram_issue(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
-                                        std::int32_t d) {
+__device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
+                                  std::int32_t d) {
   const std::uint64_t da = wgmma_descriptor(a, d), db = wgmma_descriptor(b, d);
   wgmma_fence_operands(acc);
   wgmma_fence();  // acc was last touched by ordinary instructions
@@ -127,14 +123,7 @@ __device__ inline void wgmma_gram_issue(float (&acc)[N / 8][4], const std::uint1
         wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
   }
   wgmma_commit();
-}
-
-// The same, waited for here.
-template <dtype Elem, int N>
-__device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
-                                  std::int32_t d) {
-  wgmma_gram_issue<Elem, N>(acc, a, b, d);
-  wgmma_wait<0>();
+  wgmma_wait_all();
   wgmma_fence_operands(acc);
 }
 
