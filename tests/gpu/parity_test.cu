@@ -191,6 +191,14 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   mean_sum.aggregate.mode = kvp::aggregate::global_mode::mean;
   mean_sum.protect.sinks = 4;
   run_random("gkv/sum/mean/sinks", mean_sum, 20, 8, rep);
+  // theta < 0: the redundancy kernels fold diagonal tiles column by column (weight 0
+  // would name the diagonal as a neighbour there).
+  auto below_zero = kvp::presets::zipage{};
+  below_zero.redundancy.theta = -0.25f;
+  run_random("zipage/theta<0", below_zero, 15, 14, rep);
+  auto gkv_below_zero = kvp::presets::gkv{};
+  gkv_below_zero.redundancy.theta = -0.25f;
+  run_random("gkv/theta<0", gkv_below_zero, 10, 15, rep);
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);

@@ -208,7 +208,8 @@ struct cuda_executor {
     if constexpr (AttentionScorer<S>) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       if (mma_scores(cache, queries)) {
-        const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim);
+        const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim,
+                                                         cuda::reduces_in_fragments(pv.scorer.group, G));
         if (cache.type == dtype::bf16)
           launch_score(cuda::attention_score_mma_kernel<S, dtype::bf16>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
         else
@@ -365,7 +366,8 @@ struct cuda_executor {
     if constexpr (AttentionScorer<typename P::scorer_type>) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       const std::size_t need = mma_scores(cache, queries)
-                                   ? cuda::attention_mma_smem_bytes(p.scorer.window, G, cache.head_dim)
+                                   ? cuda::attention_mma_smem_bytes(p.scorer.window, G, cache.head_dim,
+                                                                    cuda::reduces_in_fragments(p.scorer.group, G))
                                    : cuda::attention_smem_floats(p.scorer.window, G, cache.head_dim) * sizeof(float);
       require(need <= limit,
               "pipeline.scorer.window", "is {}; {} queries of {} dims per KV head exceed {} bytes of shared memory",

@@ -83,12 +83,7 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
     if (m0 < u_count) {
       float acc[8][4] = {};
       gram_tile<Elem>(acc, us + std::size_t(m0) * pitch, vs, full_mma_keys, d, pitch);
-      // Bounds and the diagonal are tested only in the tiles that need them.
-      const std::int32_t diag[2] = {u_pos0 + u[0] - v_pos0, u_pos0 + u[1] - v_pos0};
-      if (v_count == full_mma_keys && (v_pos0 >= u_pos0 + m0 + 16 || u_pos0 + m0 >= v_pos0 + full_mma_keys))
-        fold_similarities<false>(st, acc, v_inv, v_pos0, full_mma_keys, diag, theta);
-      else
-        fold_similarities<true>(st, acc, v_inv, v_pos0, v_count, diag, theta);
+      fold_tile(st, acc, v_inv, v_pos0, v_count, u_pos0 + m0 - v_pos0, theta);
     }
     __syncthreads();  // the next iteration's copy overwrites this tile
   }

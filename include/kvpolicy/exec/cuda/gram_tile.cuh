@@ -47,21 +47,31 @@ struct similarity_rows {
   float near_c[2] = {0.0f, 0.0f};
 };
 
+// How a Gram tile is folded: every column real and off the diagonal (whole); every
+// column real, the diagonal among them (diagonal); or column by column (checked).
+enum class fold_mode { whole, diagonal, checked };
+
 // Folds a Gram tile into `st`: C(u, v) = acc * (inv_u * inv_v), the host's form.
-// `Checked` skips columns >= cols and the diagonal (column diag[h] is row h itself);
-// without it every column is real and off the diagonal, which the caller decides
-// once per tile. A lane meets its columns in increasing order, so the last column
-// over theta is the newest.
-template <bool Checked>
-__device__ inline void fold_similarities(similarity_rows& st, const float (&acc)[8][4], const float* col_inv,
+// `checked` skips columns >= cols and the diagonal (column diag[h] is row h itself).
+// `diagonal` gives the diagonal the weight 0 instead of a test per column: C = 0
+// adds nothing to a row sum (x + 0 = x) and, with theta >= 0, names no neighbour, so
+// the result is that of leaving it out. Row lane / 4 + 8 h meets itself in column
+// diag[h] = row_off + lane / 4 + 8 h (row_off a multiple of 8): fragment tile
+// row_off / 8 + h, element lane / 4 - (lane % 4) * 2 when that is 0 or 1. (Zeroing
+// those accumulators instead would make ptxas serialise the wgmma pipeline.) A
+// lane meets its columns in increasing order, so the last column over theta is the
+// newest.
+template <fold_mode Mode, int Tiles>
+__device__ inline void fold_similarities(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
                                          std::int32_t col_pos0, std::int32_t cols, const std::int32_t (&diag)[2],
                                          float theta) {
   const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+  const std::int32_t diag_tile = (diag[0] - lane / 4) / 8, diag_elem = lane / 4 - (lane % 4) * 2;
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < Tiles; ++nt) {
     const std::int32_t c = nt * 8 + (lane % 4) * 2;
     float ci[2];
-    if constexpr (Checked) {
+    if constexpr (Mode == fold_mode::checked) {
       ci[0] = c < cols ? col_inv[c] : 0.0f;
       ci[1] = c + 1 < cols ? col_inv[c + 1] : 0.0f;
     } else {
@@ -73,10 +83,12 @@ __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)
     for (int e = 0; e < 2; ++e)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if constexpr (Checked) {
+        if constexpr (Mode == fold_mode::checked) {
           if (c + e >= cols || c + e == diag[h]) continue;
         }
-        const float sim = acc[nt][h * 2 + e] * (st.inv[h] * ci[e]);
+        float weight = st.inv[h] * ci[e];
+        if constexpr (Mode == fold_mode::diagonal) weight = nt == diag_tile + h && e == diag_elem ? 0.0f : weight;
+        const float sim = acc[nt][h * 2 + e] * weight;
         st.sum[h] += sim;
         if (sim > theta) {
           st.near[h] = col_pos0 + c + e;
@@ -84,6 +96,24 @@ __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)
         }
       }
   }
+}
+
+// Folds a warp's 16-row tile of Tiles * 8 columns whose rows start row_off columns
+// into it (a multiple of 16: the tile holds the diagonal when 0 <= row_off < its
+// width) and whose first `cols` columns are real, at positions col_pos0 on: by the
+// cheapest fold_mode that is exact.
+template <int Tiles>
+__device__ inline void fold_tile(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
+                                 std::int32_t col_pos0, std::int32_t cols, std::int32_t row_off, float theta) {
+  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+  const std::int32_t diag[2] = {row_off + lane / 4, row_off + lane / 4 + 8};
+  const bool diagonal = row_off >= 0 && row_off < Tiles * 8;
+  if (cols < Tiles * 8 || (diagonal && theta < 0.0f))
+    fold_similarities<fold_mode::checked>(st, acc, col_inv, col_pos0, cols, diag, theta);
+  else if (diagonal)
+    fold_similarities<fold_mode::diagonal>(st, acc, col_inv, col_pos0, cols, diag, theta);
+  else
+    fold_similarities<fold_mode::whole>(st, acc, col_inv, col_pos0, cols, diag, theta);
 }
 
 }  // namespace cuda

@@ -1,6 +1,10 @@
 // Window attention on tensor cores for f16/bf16 caches: the Q.K^T tiles of
 // attention_score_kernel computed with mma.sync (fp32 accumulators), key tiles
 // double-buffered with cp.async, the softmax and the reductions in fp32 as before.
+// Two passes over the keys: softmax statistics with the queries as MMA rows (a
+// row's keys sit in one quad), then probabilities, where scorers whose group
+// reduce runs in registers take the keys as rows (a lane's columns are whole GQA
+// groups, so the group reduce and most of the window reduce need no shuffle).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +43,7 @@ __device__ inline float2 merge_nonempty(float2 run, float m, float sum) {
 inline constexpr int mma_key_tile = 64;
 
 KVP_HOST_DEVICE constexpr std::int32_t round16(std::int32_t x) { return (x + 15) / 16 * 16; }
+KVP_HOST_DEVICE constexpr std::int32_t round32(std::int32_t x) { return (x + 31) / 32 * 32; }
 KVP_HOST_DEVICE constexpr std::int32_t round64(std::int32_t x) { return (x + 63) / 64 * 64; }
 // Four threads per statistics row; the loop bound keeps every quad whole.
 KVP_HOST_DEVICE constexpr std::int32_t round_up4(std::int32_t rows) { return (rows * 4 + 255) / 256 * 256; }
@@ -56,38 +61,102 @@ KVP_HOST_DEVICE constexpr std::int32_t window_partials(std::int32_t w, std::int3
   return round16(w * G) / 16 > window_splits ? round16(w * G) / 16 : window_splits;
 }
 
+// Whether the group and window reduces run in the MMA fragments: a group of G <= 8
+// adjacent query rows (G a power of two) is G adjacent quads of one fragment half,
+// so shuffles reduce it. Otherwise the tile's logits go through shared memory.
+KVP_HOST_DEVICE constexpr bool reduces_in_fragments(group_reduce group, std::int32_t G) {
+  return group != group_reduce::max_logits && G <= 8 && (G & (G - 1)) == 0;
+}
+
 // Shared memory, in bytes: queries [round16(w G)][d + 8] and two key tiles
 // [64][d + 8] of 16-bit elements (the 8-element pad puts the 8 rows of an ldmatrix
-// on distinct banks), the tile's logits [round16(w G)][72], per query the softmax
-// statistics (max, sum) and the running ones of its two 32-key halves, and the
-// window partials.
-KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, std::int32_t G, std::int32_t d) {
-  const std::size_t rows = static_cast<std::size_t>(round16(w * G)), pitch = std::size_t(d) + 8;
-  return (rows + 2 * mma_key_tile) * pitch * 2 + rows * logit_pitch * 4 + 3 * rows * 8 +
+// on distinct banks), the tile's logits [round16(w G)][72] unless the reduces run
+// in the fragments, per query the softmax statistics (max, sum) and the running
+// ones of its two 32-key halves, and the window partials. Without the logit tile,
+// configuration A's scorer (w 16, G 4, d 128) takes 55 KB: four blocks per SM.
+KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, std::int32_t G, std::int32_t d,
+                                                               bool in_fragments) {
+  const std::size_t rows = static_cast<std::size_t>(in_fragments ? round32(w * G) : round16(w * G));
+  const std::size_t pitch = std::size_t(d) + 8;
+  return (rows + 2 * mma_key_tile) * pitch * 2 + (in_fragments ? 0 : rows * logit_pitch * 4) + 3 * rows * 8 +
          std::size_t(window_partials(w, G)) * mma_key_tile * 4;
 }
 
+// Where the query of each shared-memory row sits: window position and head in its
+// GQA group. In the natural order row r is head r % G of position r / G. With the
+// reduces in the fragments, rows go in 32-row chunks ordered for the probability
+// pass, whose MMA has the keys as rows and a chunk's queries as columns: a lane
+// holds columns (lane % 4) * 2 + e of 4 fragment tiles nt, and its 8 slots
+// s = 2 nt + e are heads s % G of the 8 / G positions chunk * 32 / G +
+// (lane % 4) * 8 / G + s / G, so the group and most of the window reduce stay
+// in the thread. G is a power of two in both orders that use a shift.
+struct query_order {
+  bool by_chunks;
+  std::int32_t G, g_shift;  // g_shift: log2 G, or -1 when G is not a power of two
+
+  __device__ std::int32_t position(std::int32_t r) const {
+    if (!by_chunks) return g_shift >= 0 ? r >> g_shift : r / G;
+    const std::int32_t c = r & 31;
+    return ((r >> 5) << 5 >> g_shift) + (((c >> 1) & 3) << 3 >> g_shift) + (slot(c) >> g_shift);
+  }
+  __device__ std::int32_t head(std::int32_t r) const {
+    if (!by_chunks) return g_shift >= 0 ? r & (G - 1) : r % G;
+    return slot(r & 31) & (G - 1);
+  }
+  // The slot of chunk column c: 2 * fragment tile + element.
+  __device__ static std::int32_t slot(std::int32_t c) { return (c >> 3) * 2 + (c & 1); }
+  // The chunk row of a lane's slot s (lane_col = lane % 4).
+  __device__ static std::int32_t row_of_slot(std::int32_t s, std::int32_t lane_col) {
+    return (s >> 1) * 8 + lane_col * 2 + (s & 1);
+  }
+};
+
+// The probability pass with the keys as MMA rows: one warp's 16 keys x 32 queries
+// (one chunk). Per key the lane turns its 8 logits into probabilities, reduces them
+// over each GQA group and its 8 / G window positions, and the quad adds its four
+// lanes' sums: the chunk's window sum for the key, in every lane of the quad.
+template <int G, AttentionScorer S>
+__device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], const std::int32_t (&pj)[8],
+                                         std::int32_t w_end, std::int32_t t) {
+  float win = 0.0f;
+#pragma unroll
+  for (int pl = 0; pl < 8 / G; ++pl) {
+    float gv = pr[pl * G];
+#pragma unroll
+    for (int g = 1; g < G; ++g) gv = s.group == group_reduce::max ? fmaxf(gv, pr[pl * G + g]) : gv + pr[pl * G + g];
+    if (s.group == group_reduce::mean) gv *= 1.0f / static_cast<float>(G);  // exact: G is a power of two
+    // Padding positions (past the window) and non-contributing pairs add nothing.
+    if (pj[pl * G] < w_end && s.contributes(pj[pl * G], t)) win += gv;
+  }
+  win += __shfl_xor_sync(0xffffffffu, win, 1);
+  win += __shfl_xor_sync(0xffffffffu, win, 2);
+  return win;
+}
+
+// Blocks per SM the registers are capped for: four (64 registers) measured faster
+// than three (80) on configuration A, 0.633 -> 0.599 ms, though a few values spill
+// to local memory; the shared memory of scorers whose reduces run in the fragments
+// fits four too.
+inline constexpr int score_blocks_per_sm = 4;
+
 template <AttentionScorer S, dtype Elem>
-__global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s, paged_kv_view cache,
-                                                                          query_window_view q, row_space rs,
-                                                                          float* scores) {
+__global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
+    attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores) {
   extern __shared__ uint4 smem16[];
   if (failed(rs)) return;
   const row_coord rc = decode_row(rs, blockIdx.x);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = s.key_end(T);
   const std::int32_t d = cache.head_dim, w = s.window, G = q.num_q_heads / cache.num_kv_heads;
-  const std::int32_t QW = w * G, rows = round16(QW), pitch = d + 8, zp = logit_pitch;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const bool by_logits = s.group == group_reduce::max_logits;
-  // Group reduce in registers: a group of G <= 8 adjacent query rows (G a power of
-  // two) is G adjacent quads of one fragment half, so shuffles reduce it and the
-  // window reduce reads one row per window position instead of G.
-  const bool in_fragments = !by_logits && G <= 8 && (G & (G - 1)) == 0;
-  // A query row's window position, by a shift when G is a power of two: a division
+  // Group and window reduces in registers: the probability pass runs with the keys
+  // as MMA rows on query rows in chunk order (query_order).
+  const bool in_fragments = reduces_in_fragments(s.group, G);
+  const std::int32_t QW = w * G, rows = in_fragments ? round32(QW) : round16(QW), pitch = d + 8, zp = logit_pitch;
+  // A query row's window position, by shifts when G is a power of two: a division
   // by a run-time G is some 25 instructions, twice per fragment tile.
-  const std::int32_t g_shift = (G & (G - 1)) == 0 ? __ffs(G) - 1 : -1;
-  const auto window_pos = [&](std::int32_t qi) { return g_shift >= 0 ? qi >> g_shift : qi / G; };
+  const query_order order{in_fragments, G, (G & (G - 1)) == 0 ? __ffs(G) - 1 : -1};
   const float ninf = -__builtin_huge_valf();
   const float scale = 1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f;
 
@@ -98,17 +167,17 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
   const std::size_t tile_elems = std::size_t(mma_key_tile) * pitch;
   auto* zs = reinterpret_cast<float*>(kbase + 2 * tile_elems);
   // Logits are kept in log2 units (z * log2 e) so that exp is one exp2.
-  auto* stat = reinterpret_cast<float2*>(zs + std::size_t(rows) * zp);
+  auto* stat = reinterpret_cast<float2*>(zs + (in_fragments ? 0 : std::size_t(rows) * zp));
   // [rows][2]: running (max, sum) of each query over the keys of one 32-key half of
   // every tile; the quad leader of the warp that owns (query, half) alone updates it.
   float2* half_stat = stat + rows;
   auto* part = reinterpret_cast<float*>(half_stat + 2 * rows);  // [window_partials][64]
 
   for (std::int32_t e = threadIdx.x; e < rows * (d / 8); e += blockDim.x) {
-    const std::int32_t r = e / (d / 8), v = e % (d / 8);
+    const std::int32_t r = e / (d / 8), v = e % (d / 8), j = order.position(r);
     uint4 val{0, 0, 0, 0};
-    if (r < QW)
-      val = reinterpret_cast<const uint4*>(q.row(rc.layer, it.query_slot, q.window - w + r / G, rc.head * G + r % G))[v];
+    if (j < w)
+      val = reinterpret_cast<const uint4*>(q.row(rc.layer, it.query_slot, q.window - w + j, rc.head * G + order.head(r)))[v];
     *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
   }
   for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
@@ -116,10 +185,11 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
     half_stat[2 * i] = half_stat[2 * i + 1] = {ninf, 0.0f};
   }
   // Keys below plain_end are candidates visible to every window query, and no row is
-  // padding: tiles under it skip the mask test (the scorer's optional visible_end).
+  // padding (or padding rows are left out later, in chunk order): tiles under it
+  // skip the mask test (the scorer's optional visible_end).
   std::int32_t plain_end = 0;
   if constexpr (requires { { s.visible_end(0) } -> std::same_as<std::int32_t>; }) {
-    if (QW == rows) {
+    if (QW == rows || in_fragments) {
       plain_end = n;
       for (std::int32_t j = 0; j < w; ++j) plain_end = min(plain_end, s.visible_end(T - w + j));
     }
@@ -128,7 +198,7 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
-      for (std::int32_t i = threadIdx.x; i < QW; i += blockDim.x) {
+      for (std::int32_t i = threadIdx.x; i < (in_fragments ? rows : QW); i += blockDim.x) {
         float2 st = stat[i];
         if (!by_logits) {
           // The row's statistics from those of its two halves.
@@ -153,9 +223,54 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         cp_async_commit();
       }
 
-      // Logits of the tile: warps take (16 queries x 32 keys) pieces.
       const std::uint16_t* kb = kbase + buf * tile_elems;
-      for (std::int32_t piece = warp; piece < (rows / 16) * 2; piece += warps) {
+      // Probabilities with the keys as rows: warps take (16 keys x 32 queries) pieces.
+      for (std::int32_t piece = warp; pass == 1 && in_fragments && piece < (rows / 32) * 4; piece += warps) {
+        const std::int32_t key0 = (piece % 4) * 16, chunk = piece / 4, q0 = chunk * 32;
+        float acc[4][4] = {};
+        for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
+          std::uint32_t a[4];
+          ldmatrix_x4(a, kb + std::size_t(key0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            std::uint32_t b[4];
+            ldmatrix_x4(b, qs + std::size_t(q0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
+            mma_16816<Elem>(acc[np * 2], a, b[0], b[1]);
+            mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
+          }
+        }
+        // The lane's 8 query columns: their statistics and window positions.
+        float2 st[8];
+        std::int32_t pj[8];
+#pragma unroll
+        for (int sl = 0; sl < 8; ++sl) {
+          const std::int32_t r = q0 + query_order::row_of_slot(sl, lane % 4);
+          st[sl] = stat[r];
+          pj[sl] = T - w + order.position(r);
+        }
+        const bool plain = tile + mma_key_tile <= plain_end;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const std::int32_t t = tile + key0 + lane / 4 + h * 8;
+          float pr[8];
+#pragma unroll
+          for (int sl = 0; sl < 8; ++sl) {
+            float z = acc[sl / 2][h * 2 + sl % 2];
+            if (!plain) z = t < n && s.visible(pj[sl], t) ? z : ninf;
+            pr[sl] = s.transform(exp2_ftz(fmaf(z, scale, -st[sl].x)) * st[sl].y);
+          }
+          float win = 0.0f;
+          switch (G) {
+            case 1: win = chunk_window_sum<1>(s, pr, pj, T, t); break;
+            case 2: win = chunk_window_sum<2>(s, pr, pj, T, t); break;
+            case 4: win = chunk_window_sum<4>(s, pr, pj, T, t); break;
+            default: win = chunk_window_sum<8>(s, pr, pj, T, t); break;
+          }
+          if (lane % 4 == 0) part[chunk * mma_key_tile + key0 + lane / 4 + h * 8] = win;
+        }
+      }
+      // Logits of the tile: warps take (16 queries x 32 keys) pieces.
+      for (std::int32_t piece = warp; !(pass == 1 && in_fragments) && piece < (rows / 16) * 2; piece += warps) {
         const std::int32_t m0 = (piece / 2) * 16, n0 = (piece % 2) * 32;
         float acc[4][4] = {};
         for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
@@ -172,10 +287,9 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
         // The thread's two query rows and their window positions, once per piece.
         // Masked keys are -inf; scale * log2(e) is applied inside one FFMA with the
         // row's max subtracted (max commutes with the positive scale).
-        float win[8] = {};  // in the fragments: the window sum over the piece's rows
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const std::int32_t qi = m0 + lane / 4 + h * 8, pj = T - w + window_pos(qi);
+          const std::int32_t qi = m0 + lane / 4 + h * 8, j = order.position(qi), pj = T - w + j;
           float z[8];
           if (tile + mma_key_tile <= plain_end) {
 #pragma unroll
@@ -184,8 +298,8 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
               const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
-              z[2 * nt] = qi < QW && t < n && s.visible(pj, t) ? acc[nt][h * 2] : ninf;
-              z[2 * nt + 1] = qi < QW && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] : ninf;
+              z[2 * nt] = j < w && t < n && s.visible(pj, t) ? acc[nt][h * 2] : ninf;
+              z[2 * nt + 1] = j < w && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] : ninf;
             }
           }
           if (by_logits) {
@@ -212,55 +326,13 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
               run = merge_nonempty(run, ms, e);
             }
           } else {
-            // Probabilities in the fragments; the window and group reduces read them.
+            // Probabilities through shared memory, where the reduces read them.
             const float2 st = qi < QW ? stat[qi] : float2{0.0f, 0.0f};
-            float pr[8];
+            float* prow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
 #pragma unroll
-            for (int k = 0; k < 8; ++k) pr[k] = s.transform(exp2_ftz(fmaf(z[k], scale, -st.x)) * st.y);
-            if (in_fragments) {
-              const bool by_max = s.group == group_reduce::max;
-#pragma unroll
-              for (int o = 4; o <= 16; o <<= 1) {
-                if (o >= 4 * G) break;  // uniform in the warp
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                  const float other = __shfl_xor_sync(0xffffffffu, pr[k], o);
-                  pr[k] = by_max ? fmaxf(pr[k], other) : pr[k] + other;
-                }
-              }
-              if (s.group == group_reduce::mean) {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) pr[k] *= 1.0f / static_cast<float>(G);  // exact: G is a power of two
-              }
-              // Every lane of the group holds the group's value: fold the row's
-              // window position in (padding rows and non-contributing pairs add 0).
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2 + e;
-                  if (qi < QW && s.contributes(pj, t)) win[2 * nt + e] += pr[2 * nt + e];
-                }
-            } else {
-              float* prow = zs + std::size_t(qi) * zp + n0 + (lane % 4) * 2;
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(prow + nt * 8) = {pr[2 * nt], pr[2 * nt + 1]};
-            }
-          }
-        }
-        if (pass == 1 && in_fragments) {
-          // The other window positions of the piece: quads G apart hold them (the
-          // group's value repeats in each of its G quads).
-#pragma unroll
-          for (int o = 16; o >= 4; o >>= 1) {
-            if (o < 4 * G) break;  // uniform in the warp
-#pragma unroll
-            for (int k = 0; k < 8; ++k) win[k] += __shfl_xor_sync(0xffffffffu, win[k], o);
-          }
-          if (lane < 4) {
-            float* prow = part + std::size_t(m0 / 16) * mma_key_tile + n0 + lane * 2;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) *reinterpret_cast<float2*>(prow + nt * 8) = {win[2 * nt], win[2 * nt + 1]};
+            for (int nt = 0; nt < 4; ++nt)
+              *reinterpret_cast<float2*>(prow + nt * 8) = {s.transform(exp2_ftz(fmaf(z[2 * nt], scale, -st.x)) * st.y),
+                                                           s.transform(exp2_ftz(fmaf(z[2 * nt + 1], scale, -st.x)) * st.y)};
           }
         }
       }
@@ -269,11 +341,11 @@ __global__ void __launch_bounds__(row_threads, 3) attention_score_mma_kernel(S s
       __syncthreads();
 
       if (pass == 1 && in_fragments) {
-        // A key's score: its window partials of every 16-row block, in block order.
+        // A key's score: its window partials of every query chunk, in chunk order.
         const std::int32_t t = tile + static_cast<std::int32_t>(threadIdx.x);
         if (threadIdx.x < static_cast<unsigned>(mma_key_tile) && t < n) {
           float total = 0.0f;
-          for (std::int32_t rb = 0; rb < rows / 16; ++rb) total += part[rb * mma_key_tile + threadIdx.x];
+          for (std::int32_t c = 0; c < rows / 32; ++c) total += part[c * mma_key_tile + threadIdx.x];
           scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
               s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
         }

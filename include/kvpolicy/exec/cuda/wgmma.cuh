@@ -20,15 +20,21 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-// Shared-memory matrix descriptor of a K-major operand without swizzle: start
-// address, then the byte distance between core matrices along K (128: they are
-// adjacent) and between row groups (d * 16), each in 16-byte units.
-__device__ inline std::uint64_t wgmma_descriptor(const std::uint16_t* tile, std::int32_t d) {
-  const std::uint64_t addr = smem_address(tile);
-  return ((addr & 0x3FFFF) >> 4) | (std::uint64_t{128 >> 4} << 16) | (std::uint64_t((d * 16) >> 4) << 32);
-}
-// The descriptor of the next 16 elements along K: two core matrices on.
-inline constexpr std::uint64_t wgmma_k_step = 256 >> 4;
+// Shared-memory matrix descriptor of a K-major operand without swizzle, in two
+// 32-bit halves. lo: start address, then the byte distance between core matrices
+// along K (128: they are adjacent), each in 16-byte units; hi: the distance between
+// row groups (d * 16). The next 16 elements along K are two core matrices on: lo +
+// 16, a 32-bit add that never carries out of the 14-bit address field, since the
+// result is the address of those core matrices, which lie in shared memory.
+struct wgmma_descriptor {
+  std::uint32_t lo, hi;
+  __device__ wgmma_descriptor(const std::uint16_t* tile, std::int32_t d)
+      : lo(((smem_address(tile) & 0x3FFFF) >> 4) | ((128 >> 4) << 16)), hi(static_cast<std::uint32_t>(d * 16) >> 4) {}
+  // The 64-bit descriptor of k-step k (16 elements of K each).
+  __device__ std::uint64_t at(int k) const {
+    return (std::uint64_t{hi} << 32) | (lo + static_cast<std::uint32_t>(k) * (256 >> 4));
+  }
+};
 
 __device__ inline void wgmma_fence() {
 #if KVP_CUDA_WGMMA
@@ -38,11 +44,6 @@ __device__ inline void wgmma_fence() {
 __device__ inline void wgmma_commit() {
 #if KVP_CUDA_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ inline void wgmma_wait_all() {
-#if KVP_CUDA_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
 // Shared memory written by ordinary stores or cp.async becomes visible to wgmma
@@ -97,33 +98,46 @@ __device__ inline void wgmma_fence_operands(float (&acc)[Tiles][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
 }
 
+// The K / 16 MMAs of one Gram tile as one commit group, not waited for. Each case of
+// wgmma_gram's switch commits its own: a commit where the cases join costs every
+// call a fence and an empty MMA (ptxas C7519).
+template <dtype Elem, int N, int Steps>
+__device__ inline void wgmma_gram_steps(float (&acc)[N / 8][4], const wgmma_descriptor& a, const wgmma_descriptor& b) {
+  wgmma_fence();  // acc was last touched by ordinary instructions
+#pragma unroll
+  for (int k = 0; k < Steps; ++k) wgmma_64xNx16<Elem, N>(acc, a.at(k), b.at(k), k > 0);
+  wgmma_commit();
+}
+
+// Warp-uniform by construction: a value broadcast from lane 0 lets ptxas keep what
+// is computed from it (the tile offsets, so the wgmma descriptors) in uniform
+// registers instead of moving them there before every MMA.
+__device__ inline std::int32_t warp_uniform(std::int32_t v) { return __shfl_sync(0xffffffffu, v, 0); }
+
 // acc = A B^T over d (a multiple of 16) for the 64 rows at `a` and the N rows at `b`
 // (both in core_matrices layout for this d): issued by a whole warpgroup, waited
 // for here. Each warp gets its 16 rows of A against all N columns.
 template <dtype Elem, int N>
 __device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
                                   std::int32_t d) {
-  const std::uint64_t da = wgmma_descriptor(a, d), db = wgmma_descriptor(b, d);
+  const wgmma_descriptor da(a, d), db(b, d);
   wgmma_fence_operands(acc);
-  wgmma_fence();  // acc was last touched by ordinary instructions
   // Unrolled: in a loop with a run-time count, ptxas waits for each MMA before
   // issuing the next. Head dims past 256 (rare) take that slower loop.
-  const auto steps = [&]<int K>() {
-#pragma unroll
-    for (int k = 0; k < K; ++k) wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
-  };
   switch (d) {
-    case 16: steps.template operator()<1>(); break;
-    case 32: steps.template operator()<2>(); break;
-    case 64: steps.template operator()<4>(); break;
-    case 128: steps.template operator()<8>(); break;
-    case 256: steps.template operator()<16>(); break;
+    case 16: wgmma_gram_steps<Elem, N, 1>(acc, da, db); break;
+    case 32: wgmma_gram_steps<Elem, N, 2>(acc, da, db); break;
+    case 64: wgmma_gram_steps<Elem, N, 4>(acc, da, db); break;
+    case 128: wgmma_gram_steps<Elem, N, 8>(acc, da, db); break;
+    case 256: wgmma_gram_steps<Elem, N, 16>(acc, da, db); break;
     default:
-      for (std::int32_t k = 0; k < d / 16; ++k)
-        wgmma_64xNx16<Elem, N>(acc, da + k * wgmma_k_step, db + k * wgmma_k_step, k > 0);
+      wgmma_fence();
+      for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64xNx16<Elem, N>(acc, da.at(k), db.at(k), k > 0);
+      wgmma_commit();
   }
-  wgmma_commit();
-  wgmma_wait_all();
+#if KVP_CUDA_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
   wgmma_fence_operands(acc);
 }
 
