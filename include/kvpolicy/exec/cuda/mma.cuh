@@ -8,6 +8,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/load.cuh"
 
 KVP_NAMESPACE_BEGIN
@@ -116,18 +117,18 @@ class key_tile_loader {
   __device__ key_tile_loader(const paged_kv_view& cache, std::int32_t layer, std::int32_t seq, std::int32_t head,
                              Layout at)
       : at_(at) {
-    const std::int32_t vecs = cache.head_dim / 8, tid = static_cast<std::int32_t>(threadIdx.x);
-    const auto threads = static_cast<std::int32_t>(blockDim.x);
-    step_ = threads / vecs;
+    // Unsigned, and shifts for the usual power-of-two head dims (div_by).
+    const auto vecs = static_cast<std::uint32_t>(cache.head_dim / 8), tid = threadIdx.x, threads = blockDim.x;
+    step_ = static_cast<std::int32_t>(div_by(threads, vecs));
     if constexpr (std::is_same_v<Layout, core_matrices>) {
       // 8 adjacent threads take one chunk of 8 adjacent rows: one core matrix.
-      strided_ = threads % (8 * vecs) == 0;
-      row0_ = tid / (8 * vecs) * 8 + tid % 8;
-      chunk_ = tid / 8 % vecs;
+      strided_ = mod_by(threads, 8 * vecs) == 0;
+      row0_ = static_cast<std::int32_t>(div_by(tid, 8 * vecs) * 8 + tid % 8);
+      chunk_ = static_cast<std::int32_t>(mod_by(tid / 8, vecs));
     } else {
-      strided_ = threads % vecs == 0;
-      row0_ = tid / vecs;
-      chunk_ = tid % vecs;
+      strided_ = mod_by(threads, vecs) == 0;
+      row0_ = static_cast<std::int32_t>(div_by(tid, vecs));
+      chunk_ = static_cast<std::int32_t>(mod_by(tid, vecs));
     }
     // Everything in bytes, so that a tile's source address is one table read, one
     // wide multiply and two adds.
