@@ -239,14 +239,16 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
             mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
           }
         }
-        // The lane's 8 query columns: their statistics and window positions.
+        // The lane's 8 query columns: their statistics and window positions (slot sl
+        // is position (q0 + (lane % 4) * 8 + sl) / G; the first two terms are
+        // multiples of 8, so of G).
         float2 st[8];
         std::int32_t pj[8];
+        const std::int32_t pj0 = T - w + ((q0 + (lane % 4) * 8) >> order.g_shift);
 #pragma unroll
         for (int sl = 0; sl < 8; ++sl) {
-          const std::int32_t r = q0 + query_order::row_of_slot(sl, lane % 4);
-          st[sl] = stat[r];
-          pj[sl] = T - w + order.position(r);
+          st[sl] = stat[q0 + query_order::row_of_slot(sl, lane % 4)];
+          pj[sl] = pj0 + (sl >> order.g_shift);
         }
         const bool plain = tile + mma_key_tile <= plain_end;
 #pragma unroll
