@@ -55,10 +55,11 @@ inline constexpr int logit_pitch = mma_key_tile + 8;
 // Threads that split the window of one key in the score phase.
 inline constexpr int window_splits = row_threads / mma_key_tile;
 
-// Window partials per key of a tile: one per window split, or one per 16-row block
-// of queries when the reduces run in the fragments.
+// Window partials per key of a tile: one per window split, or, when the reduces run
+// in the fragments, one per 32-query chunk in each of two buffers (a tile's
+// partials are summed after the next tile's barrier).
 KVP_HOST_DEVICE constexpr std::int32_t window_partials(std::int32_t w, std::int32_t G) {
-  return round16(w * G) / 16 > window_splits ? round16(w * G) / 16 : window_splits;
+  return 2 * round32(w * G) / 32 > window_splits ? 2 * round32(w * G) / 32 : window_splits;
 }
 
 // Whether the group and window reduces run in the MMA fragments: a group of G <= 8
@@ -211,12 +212,25 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       }
     loader.copy(cache, kbase, mma_key_tile, min(mma_key_tile, n), 0);
     cp_async_commit();
+    // A key's score from the window partials of every query chunk (chunk order),
+    // left in part's buffer `b` by the probability pass over the tile at `tile`.
+    const auto finish_scores = [&](std::int32_t tile, int b) {
+      const std::int32_t t = tile + static_cast<std::int32_t>(threadIdx.x);
+      if (threadIdx.x < static_cast<unsigned>(mma_key_tile) && t < n) {
+        float total = 0.0f;
+        for (std::int32_t c = 0; c < rows / 32; ++c) total += part[(b * (rows / 32) + c) * mma_key_tile + threadIdx.x];
+        scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
+            s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
+      }
+    };
     int buf = 0;
     for (std::int32_t tile = 0; tile < n; tile += mma_key_tile, buf ^= 1) {
       // One barrier per tile: it publishes this tile and tells every warp is done
-      // with the other buffer, which the next tile's copy then overwrites.
+      // with the other buffer, which the next tile's copy then overwrites; with the
+      // reduces in the fragments it also completes the last tile's window partials.
       cp_async_wait<0>();
       __syncthreads();
+      if (pass == 1 && in_fragments && tile > 0) finish_scores(tile - mma_key_tile, buf ^ 1);
       const std::int32_t next = tile + mma_key_tile;
       if (next < n) {
         loader.copy(cache, kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), next);
@@ -227,6 +241,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       // Probabilities with the keys as rows: warps take (16 keys x 32 queries) pieces.
       for (std::int32_t piece = warp; pass == 1 && in_fragments && piece < (rows / 32) * 4; piece += warps) {
         const std::int32_t key0 = (piece % 4) * 16, chunk = piece / 4, q0 = chunk * 32;
+        float* chunk_part = part + (buf * (rows / 32) + chunk) * mma_key_tile;
         float acc[4][4] = {};
         for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
           std::uint32_t a[4];
@@ -268,7 +283,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
             case 4: win = chunk_window_sum<4>(s, pr, pj, T, t); break;
             default: win = chunk_window_sum<8>(s, pr, pj, T, t); break;
           }
-          if (lane % 4 == 0) part[chunk * mma_key_tile + key0 + lane / 4 + h * 8] = win;
+          if (lane % 4 == 0) chunk_part[key0 + lane / 4 + h * 8] = win;
         }
       }
       // Logits of the tile: warps take (16 queries x 32 keys) pieces.
@@ -338,20 +353,12 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
           }
         }
       }
-      // Statistics in the fragments are complete: the next tile's barrier suffices.
-      if (pass == 0 && !by_logits) continue;
+      // Statistics in the fragments are complete, and window partials are summed
+      // after it: the next tile's barrier suffices.
+      if (!by_logits && (pass == 0 || in_fragments)) continue;
       __syncthreads();
 
-      if (pass == 1 && in_fragments) {
-        // A key's score: its window partials of every query chunk, in chunk order.
-        const std::int32_t t = tile + static_cast<std::int32_t>(threadIdx.x);
-        if (threadIdx.x < static_cast<unsigned>(mma_key_tile) && t < n) {
-          float total = 0.0f;
-          for (std::int32_t c = 0; c < rows / 32; ++c) total += part[c * mma_key_tile + threadIdx.x];
-          scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
-              s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
-        }
-      } else if (pass == 0) {
+      if (pass == 0) {
         // Statistics per window position, of the group's max logit: four adjacent
         // threads take 16 keys each of one row, then fold in the quad.
         const std::int32_t stat_rows = w;
@@ -416,6 +423,11 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
               s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
         }
       }
+    }
+    // The last tile's window partials (buf has moved past its buffer).
+    if (pass == 1 && in_fragments && n > 0) {
+      __syncthreads();
+      finish_scores((n - 1) / mma_key_tile * mma_key_tile, buf ^ 1);
     }
   }
 }
