@@ -90,8 +90,8 @@ struct cuda_executor {
   // records every branch. stage_marks 1 to 3 are then recorded with 4.
   cudaStream_t overlap_stream = nullptr;
   cudaEvent_t* overlap_events = nullptr;  // [2]
-  // The best count depends on the batch: on configuration A (16 items, H100) 4 groups
-  // measured 1.95 ms, 1 group 2.02, 2 / 3 / 6 / 8 groups 2.00 / 2.06 / 2.13 / 2.31.
+  // The best count depends on the batch: on configuration A (16 items, H100) 1 group
+  // measured 1.87 ms (1.93 on one stream), 2 / 3 / 4 groups 1.88 / 1.95 / 1.93.
   std::int32_t overlap_groups = 1;  // at least 1 when overlap_stream is set
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
