@@ -62,9 +62,9 @@ KVP_HOST_DEVICE constexpr std::int32_t window_partials(std::int32_t w, std::int3
   return 2 * round32(w * G) / 32 > window_splits ? 2 * round32(w * G) / 32 : window_splits;
 }
 
-// Whether the group and window reduces run in the MMA fragments: a group of G <= 8
-// adjacent query rows (G a power of two) is G adjacent quads of one fragment half,
-// so shuffles reduce it. Otherwise the tile's logits go through shared memory.
+// Whether the group and window reduces run in registers: for G a power of two up to
+// 8 a lane's 8 query columns of the probability pass hold whole GQA groups
+// (query_order). max_logits and other G take the tile's logits through shared memory.
 KVP_HOST_DEVICE constexpr bool reduces_in_fragments(group_reduce group, std::int32_t G) {
   return group != group_reduce::max_logits && G <= 8 && (G & (G - 1)) == 0;
 }
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     for (std::int32_t tile = 0; tile < n; tile += mma_key_tile, buf ^= 1) {
       // One barrier per tile: it publishes this tile and tells every warp is done
       // with the other buffer, which the next tile's copy then overwrites; with the
-      // reduces in the fragments it also completes the last tile's window partials.
+      // reduces in the fragments it also completes the previous tile's window partials.
       cp_async_wait<0>();
       __syncthreads();
       if (pass == 1 && in_fragments && tile > 0) finish_scores(tile - mma_key_tile, buf ^ 1);
