@@ -76,6 +76,9 @@ struct cuda_executor {
   host_mirror mirror{};
   // Optional: 5 events recorded before the first kernel and after the score,
   // redundancy, epilogue (aggregate + select) and layout stages. Not while capturing.
+  // With them the stages run one after the other, without the programmatic
+  // dependent launches that otherwise let each start in the last wave of the one
+  // before (run_stages), so that their times add up.
   cudaEvent_t* stage_marks = nullptr;
   // Q.K^T and K.K^T on tensor cores when the cache is f16/bf16 (and the queries of
   // the same type) and head_dim is a multiple of 16; false forces the fp32 FMA kernels.
@@ -134,7 +137,8 @@ struct cuda_executor {
     if (batch.num_items > 0) {
       cuda::validate_kernel<<<batch.num_items, cuda::row_threads, 0, stream>>>(pv, cache, queries, rs);
       if (!overlap_stream) {
-        run_stages(pv, cache, queries, scores, rs, 0, batch.num_items, ws, plan, out, {stream, stream, stream}, mark);
+        run_stages(pv, cache, queries, scores, rs, 0, batch.num_items, ws, plan, out, {stream, stream, stream}, mark,
+                   stage_marks == nullptr);
       } else {
         // A pipeline: `stream` runs every group's epilogue and compaction, the overlap
         // stream the next group's score and redundancy meanwhile; group 0 splits its
@@ -146,7 +150,7 @@ struct cuda_executor {
           const std::int32_t first = static_cast<std::int32_t>(std::int64_t{batch.num_items} * g / groups);
           const std::int32_t last = static_cast<std::int32_t>(std::int64_t{batch.num_items} * (g + 1) / groups);
           const stage_streams on{g == 0 ? stream : overlap_stream, overlap_stream, stream};
-          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {});
+          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false);
         }
         cudaEventRecord(overlap_events[1], overlap_stream);
         cudaStreamWaitEvent(stream, overlap_events[1], 0);
@@ -181,11 +185,12 @@ struct cuda_executor {
 
   // The stages for items [first, first + count) of the batch: their rows are a
   // contiguous range of every per-row buffer, their per-item results a range of the
-  // per-item ones. `mark(i)` records stage mark i (or nothing).
+  // per-item ones. `mark(i)` records stage mark i (or nothing). `programmatic`: the
+  // stages may be chained by programmatic dependent launches (nothing between them).
   template <class P, class Mark>
   void run_stages(const P& pv, const paged_kv_view& cache, const query_window_view& queries, const score_view& scores,
                   cuda::row_space rs, std::int32_t first, std::int32_t count, std::byte* ws, const workspace_plan& plan,
-                  const device_result& out, stage_streams on, Mark mark) const {
+                  const device_result& out, stage_streams on, Mark mark, bool programmatic) const {
     using S = typename P::scorer_type;
     using A = typename P::aggregate_type;
     using R = typename P::redundancy_type;
@@ -198,63 +203,80 @@ struct cuda_executor {
     auto* score_buf = reinterpret_cast<float*>(ws + plan.scores) + at;
     auto* red_buf = reinterpret_cast<float*>(ws + plan.red) + at;
     std::uint8_t* keep = (out.keep_masks ? out.keep_masks : reinterpret_cast<std::uint8_t*>(ws + plan.keep)) + at;
-    const auto launch_on = [&](cudaStream_t stream_of_stage) {
+    // On one stream without stage marks the stages are chained by programmatic
+    // dependent launches: lightning redundancy first, then the score kernel, which may
+    // start in its last wave (they share nothing), then the epilogue and the layout,
+    // whose launches overlap the end of the kernel before.
+    constexpr bool lightning = requires { requires R::pairs == redundancy::scope::block; };
+    const bool chained = programmatic && on.score == on.tail && on.redundancy == on.tail;
+    const auto launch_on = [&](cudaStream_t stream_of_stage, bool after_kernel) {
       return [=](auto kernel, unsigned grid_y, std::size_t smem, auto... args) {
-        launch(stream_of_stage, kernel, rows, grid_y, smem, args...);
+        launch(stream_of_stage, after_kernel, kernel, rows, grid_y, smem, args...);
       };
     };
-    const auto launch_score = launch_on(on.score), launch_red = launch_on(on.redundancy), launch_tail = launch_on(on.tail);
+    const auto launch_score = launch_on(on.score, chained && lightning), launch_red = launch_on(on.redundancy, false),
+               launch_tail = launch_on(on.tail, chained);
 
-    if constexpr (AttentionScorer<S>) {
-      const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-      if (mma_scores(cache, queries)) {
-        const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim,
-                                                         cuda::reduces_in_fragments(pv.scorer.group, G));
-        if (cache.type == dtype::bf16)
-          launch_score(cuda::attention_score_mma_kernel<S, dtype::bf16>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
-        else
-          launch_score(cuda::attention_score_mma_kernel<S, dtype::f16>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
-      } else {
-        const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
-        launch_score(cuda::attention_score_kernel<S>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
-      }
-    } else if constexpr (KeyScorer<S>) {
-      launch_score(cuda::key_score_kernel<S>, 1, 0, pv.scorer, cache, rs, score_buf);
-    }
-    mark(1);
-    if constexpr (!std::same_as<R, none>) {
-      const std::int32_t d = cache.head_dim;
-      if constexpr (R::pairs == redundancy::scope::block) {
-        const auto blocks = static_cast<unsigned>(blocks_per_item);
-        if (mma_keys(cache)) {
-          const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
-          if (cache.type == dtype::bf16)
-            launch_red(cuda::lightning_mma_kernel<P, dtype::bf16>, blocks, smem, pv, cache, rs, red_buf);
-          else
-            launch_red(cuda::lightning_mma_kernel<P, dtype::f16>, blocks, smem, pv, cache, rs, red_buf);
+    const auto score_stage = [&] {
+      if constexpr (AttentionScorer<S>) {
+        const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
+        if (mma_scores(cache, queries)) {
+          const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim,
+                                                           cuda::reduces_in_fragments(pv.scorer.group, G));
+          with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
+            launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, 1, smem, pv.scorer, cache, queries, rs,
+                         score_buf);
+          });
         } else {
-          const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
-          launch_red(cuda::lightning_kernel<P>, blocks, smem, pv, cache, rs, red_buf);
+          const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
+          launch_score(cuda::attention_score_kernel<S>, 1, smem, pv.scorer, cache, queries, rs, score_buf);
         }
-      } else {
-        auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum) + at;
-        auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
-        auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
-        if (mma_keys(cache)) {
-          const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
-          const auto smem = cuda::full_mma_smem_bytes(d);
-          if (cache.type == dtype::bf16)
-            launch_red(cuda::full_columns_mma_kernel<P, dtype::bf16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
-          else
-            launch_red(cuda::full_columns_mma_kernel<P, dtype::f16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
-        } else {
-          const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
-          launch_red(cuda::full_columns_kernel<P>, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs, rowsum,
-                    newest, newest_c);
-        }
-        launch_red(cuda::full_finish_kernel<P>, 1, std::size_t(rs.max_tokens) * sizeof(float), pv, cache, rs, rowsum,
-                  newest, newest_c, red_buf);
+      } else if constexpr (KeyScorer<S>) {
+        launch_score(cuda::key_score_kernel<S>, 1, 0, pv.scorer, cache, rs, score_buf);
       }
+    };
+    const auto redundancy_stage = [&] {
+      if constexpr (!std::same_as<R, none>) {
+        const std::int32_t d = cache.head_dim;
+        if constexpr (R::pairs == redundancy::scope::block) {
+          const auto blocks = static_cast<unsigned>(blocks_per_item);
+          if (mma_keys(cache)) {
+            const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
+            with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
+              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf);
+            });
+          } else {
+            const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
+            launch_red(cuda::lightning_kernel<P>, blocks, smem, pv, cache, rs, red_buf);
+          }
+        } else {
+          auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum) + at;
+          auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
+          auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
+          if (mma_keys(cache)) {
+            const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
+            const auto smem = cuda::full_mma_smem_bytes(d);
+            if (cache.type == dtype::bf16)
+              launch_red(cuda::full_columns_mma_kernel<P, dtype::bf16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+            else
+              launch_red(cuda::full_columns_mma_kernel<P, dtype::f16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+          } else {
+            const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
+            launch_red(cuda::full_columns_kernel<P>, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs, rowsum,
+                      newest, newest_c);
+          }
+          launch_red(cuda::full_finish_kernel<P>, 1, std::size_t(rs.max_tokens) * sizeof(float), pv, cache, rs, rowsum,
+                    newest, newest_c, red_buf);
+        }
+      }
+    };
+    if (chained && lightning) {
+      redundancy_stage();
+      score_stage();
+    } else {
+      score_stage();
+      mark(1);
+      redundancy_stage();
     }
     // At most one other stream: score and redundancy each run on it or on tail.
     const bool red_elsewhere = !std::same_as<R, none> && on.redundancy != on.tail;
@@ -281,6 +303,23 @@ struct cuda_executor {
       launch_tail(cuda::compact_kernel<P>, 1, 2 * std::size_t(chunk) * cache.row_bytes(), pv, cache, moved_f, rs, keep,
                 chunk);
     }
+  }
+
+  // Calls f.template operator()<Elem, HeadDim>() for the cache's 16-bit type and its
+  // head dim: 64 and 128 as constants, any other as 0 (read at run time).
+  template <class F>
+  static void with_mma_types(const paged_kv_view& cache, F&& f) {
+    const auto by_dim = [&]<dtype Elem>() {
+      switch (cache.head_dim) {
+        case 64: return f.template operator()<Elem, 64>();
+        case 128: return f.template operator()<Elem, 128>();
+        default: return f.template operator()<Elem, 0>();
+      }
+    };
+    if (cache.type == dtype::bf16)
+      by_dim.template operator()<dtype::bf16>();
+    else
+      by_dim.template operator()<dtype::f16>();
   }
 
   bool mma_keys(const paged_kv_view& cache) const {
@@ -398,13 +437,31 @@ struct cuda_executor {
     }
   }
 
+  // `programmatic`: a programmatic dependent launch (cuda::wait_for_prerequisites),
+  // when the kernel was built for sm_90 or later, where it waits as it must.
   template <class Kernel, class... Args>
-  static void launch(cudaStream_t on, Kernel kernel, unsigned grid_x, unsigned grid_y, std::size_t smem, Args... args) {
+  static void launch(cudaStream_t on, bool programmatic, Kernel kernel, unsigned grid_x, unsigned grid_y,
+                     std::size_t smem, Args... args) {
     // Dynamic shared memory beyond 48 KB minus the kernel's static shared memory (CUB's
     // scans, say) needs the opt-in; any launch that asks for some opts in, so a
     // request just under 48 KB does not fail on top of static storage.
     if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, on>>>(args...);
+    cudaFuncAttributes built{};
+    if (programmatic && cudaFuncGetAttributes(&built, kernel) == cudaSuccess && built.ptxVersion >= 90) {
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(grid_x, grid_y);
+      config.blockDim = dim3(cuda::row_threads);
+      config.dynamicSmemBytes = smem;
+      config.stream = on;
+      config.attrs = &attr;
+      config.numAttrs = 1;
+      cudaLaunchKernelEx(&config, kernel, args...);
+    } else {
+      kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, on>>>(args...);
+    }
   }
 };
 

@@ -54,6 +54,29 @@ __device__ inline row_coord decode_row(const row_space& rs, std::uint32_t r) {
           static_cast<std::int32_t>(mod_by(r, heads))};
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with it may start while
+// the kernel before it in the stream still runs, once every block of that one has
+// called allow_dependents (or ended). It must call wait_for_prerequisites, which
+// returns once that kernel has finished and its writes are visible, before it
+// reads what that kernel wrote, and before it ends if a later kernel relies on
+// that kernel through it. Both are no-ops in a kernel launched plainly, and are
+// compiled out before sm_90, where the executor never launches so.
+__device__ inline void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ inline void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Waits for the prerequisites when the thread leaves the kernel, by any return.
+struct prerequisites_at_exit {
+  __device__ prerequisites_at_exit() {}
+  __device__ ~prerequisites_at_exit() { wait_for_prerequisites(); }
+};
+
 // Kernels after validation do nothing once an error was found, so a malformed
 // batch never writes a byte.
 __device__ inline bool failed(const row_space& rs) {

@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   __shared__ float* src_f[row_threads];
   __shared__ float* dst_f[row_threads];
   __shared__ std::int32_t chunk_kept;
+  wait_for_prerequisites();  // the keep mask
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);

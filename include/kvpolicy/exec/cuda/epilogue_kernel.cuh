@@ -99,6 +99,8 @@ __global__ void __launch_bounds__(row_threads) epilogue_kernel(P p, paged_kv_vie
   using L = typename P::layout_type;
   extern __shared__ float4 smem4[];
   __shared__ epilogue_shared sh;
+  wait_for_prerequisites();  // scores and redundancy
+  allow_dependents();
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);

@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
     inverse_norms_16<Elem>(vs, v_inv, v_count, d, padded_rows{pitch}, eps);
     __syncthreads();
     if (v_pos0 == 0) {
-      st.inv[0] = u[0] < u_count ? u_inv[u[0]] : 0.0f;
-      st.inv[1] = u[1] < u_count ? u_inv[u[1]] : 0.0f;
+      st.set_rows(u[0] < u_count ? u_inv[u[0]] : 0.0f, u[1] < u_count ? u_inv[u[1]] : 0.0f, theta);
     }
 
     if (m0 < u_count) {
@@ -90,6 +89,7 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
+    st.finish(h);
     if (lane % 4 == 0 && u[h] < u_count) {
       const std::int64_t at = row * rs.max_tokens + u_pos0 + u[h];
       rowsum_out[at] = st.sum[h];

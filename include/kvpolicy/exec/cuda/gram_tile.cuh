@@ -39,22 +39,38 @@ __device__ inline void gram_tile(float (&acc)[8][4], const std::uint16_t* a, con
   }
 }
 
-// A lane's two rows (lane / 4 and lane / 4 + 8) of a 16-row tile.
+// A lane's two rows (lane / 4 and lane / 4 + 8) of a 16-row tile. The fold works in
+// x = acc * inv_v, the similarity before its row's factor inv_u: C = x * inv_u is
+// over theta when x is over theta / inv_u, so each element costs one multiply, not
+// two, and finish() applies inv_u to the sum and the newest similarity once per row.
 struct similarity_rows {
   float inv[2] = {0.0f, 0.0f};  // inverse norms; 0 for padding rows, whose state is never read
+  float over[2] = {0.0f, 0.0f};  // theta / inv
   float sum[2] = {0.0f, 0.0f};
   std::int32_t near[2] = {-1, -1};  // newest column over theta, as col_pos0 + column
   float near_c[2] = {0.0f, 0.0f};
+
+  __device__ void set_rows(float inv0, float inv1, float theta) {
+    inv[0] = inv0;
+    inv[1] = inv1;
+    over[0] = theta / inv0;
+    over[1] = theta / inv1;
+  }
+  // Row h's state in C's scale, once its columns are all folded.
+  __device__ void finish(int h) {
+    sum[h] *= inv[h];
+    near_c[h] *= inv[h];
+  }
 };
 
 // How a Gram tile is folded: every column real and off the diagonal (whole); every
 // column real, the diagonal among them (diagonal); or column by column (checked).
 enum class fold_mode { whole, diagonal, checked };
 
-// Folds a Gram tile into `st`: C(u, v) = acc * (inv_u * inv_v), the host's form.
+// Folds a Gram tile into `st`: x = acc * inv_v (C = x * inv_u; see similarity_rows).
 // `checked` skips columns >= cols and the diagonal (column diag[h] is row h itself).
-// `diagonal` gives the diagonal the weight 0 instead of a test per column: C = 0
-// adds nothing to a row sum (x + 0 = x) and, with theta >= 0, names no neighbour, so
+// `diagonal` gives the diagonal the weight 0 instead of a test per column: x = 0
+// adds nothing to a row sum (s + 0 = s) and, with theta >= 0, names no neighbour, so
 // the result is that of leaving it out. Row lane / 4 + 8 h meets itself in column
 // diag[h] = row_off + lane / 4 + 8 h (row_off a multiple of 8): fragment tile
 // row_off / 8 + h, element lane / 4 - (lane % 4) * 2 when that is 0 or 1. (Zeroing
@@ -63,8 +79,7 @@ enum class fold_mode { whole, diagonal, checked };
 // newest.
 template <fold_mode Mode, int Tiles>
 __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
-                                         std::int32_t col_pos0, std::int32_t cols, const std::int32_t (&diag)[2],
-                                         float theta) {
+                                         std::int32_t col_pos0, std::int32_t cols, const std::int32_t (&diag)[2]) {
   const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
   const std::int32_t diag_tile = (diag[0] - lane / 4) / 8, diag_elem = lane / 4 - (lane % 4) * 2;
 #pragma unroll
@@ -86,13 +101,13 @@ __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)
         if constexpr (Mode == fold_mode::checked) {
           if (c + e >= cols || c + e == diag[h]) continue;
         }
-        float weight = st.inv[h] * ci[e];
+        float weight = ci[e];
         if constexpr (Mode == fold_mode::diagonal) weight = nt == diag_tile + h && e == diag_elem ? 0.0f : weight;
-        const float sim = acc[nt][h * 2 + e] * weight;
-        st.sum[h] += sim;
-        if (sim > theta) {
+        const float x = acc[nt][h * 2 + e] * weight;
+        st.sum[h] += x;
+        if (x > st.over[h]) {
           st.near[h] = col_pos0 + c + e;
-          st.near_c[h] = sim;
+          st.near_c[h] = x;
         }
       }
   }
@@ -109,11 +124,11 @@ __device__ inline void fold_tile(similarity_rows& st, const float (&acc)[Tiles][
   const std::int32_t diag[2] = {row_off + lane / 4, row_off + lane / 4 + 8};
   const bool diagonal = row_off >= 0 && row_off < Tiles * 8;
   if (cols < Tiles * 8 || (diagonal && theta < 0.0f))
-    fold_similarities<fold_mode::checked>(st, acc, col_inv, col_pos0, cols, diag, theta);
+    fold_similarities<fold_mode::checked>(st, acc, col_inv, col_pos0, cols, diag);
   else if (diagonal)
-    fold_similarities<fold_mode::diagonal>(st, acc, col_inv, col_pos0, cols, diag, theta);
+    fold_similarities<fold_mode::diagonal>(st, acc, col_inv, col_pos0, cols, diag);
   else
-    fold_similarities<fold_mode::whole>(st, acc, col_inv, col_pos0, cols, diag, theta);
+    fold_similarities<fold_mode::whole>(st, acc, col_inv, col_pos0, cols, diag);
 }
 
 }  // namespace cuda

@@ -32,10 +32,13 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
   return (padded > core ? padded : core) + 4 * static_cast<std::size_t>(round64(block)) * 4;
 }
 
-template <class P, dtype Elem>
+// HeadDim: the head dim as a constant (64 and 128, from the executor), or 0 to read
+// it at run time, as for attention_score_mma_kernel.
+template <class P, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
                                                                     float* red_out) {
   extern __shared__ uint4 smem16[];
+  allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);
@@ -43,7 +46,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
   if (pos0 >= n) return;
-  const std::int32_t count = min(b, n - pos0), d = cache.head_dim;
+  const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float theta = p.redundancy.theta;
 #if KVP_CUDA_WGMMA
@@ -77,8 +80,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
     const std::int32_t m0 = t0 + warp_row;
     const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
     similarity_rows st;
-    st.inv[0] = u[0] < count ? inv[u[0]] : 0.0f;
-    st.inv[1] = u[1] < count ? inv[u[1]] : 0.0f;
+    st.set_rows(u[0] < count ? inv[u[0]] : 0.0f, u[1] < count ? inv[u[1]] : 0.0f, theta);
 #if KVP_CUDA_WGMMA
     // One 64-column tile at a time. Two 32-column MMAs, one running while the other
     // is folded, measured slower (0.474 -> 0.520 ms on A); a group left in flight
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
+      st.finish(h);
       if (lane % 4 == 0 && u[h] < count) {
         rowsum[u[h]] = st.sum[h];
         newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];

@@ -119,6 +119,7 @@ template <class P>
 __global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_view cache, row_space rs,
                                                                 float* red_out) {
   extern __shared__ float4 smem4[];
+  allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);

@@ -36,6 +36,8 @@ template <AttentionScorer S>
 __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged_kv_view cache, query_window_view q,
                                                                       row_space rs, float* scores) {
   extern __shared__ float4 smem4[];
+  const prerequisites_at_exit after_redundancy;  // as in attention_score_mma_kernel
+  allow_dependents();
   if (failed(rs)) return;
   const row_coord rc = decode_row(rs, blockIdx.x);
   const batch_item it = rs.items[rc.item];
@@ -148,6 +150,8 @@ __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged
 // score[t] = s.key_score(k_t, t, T), one thread per token.
 template <KeyScorer S>
 __global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* scores) {
+  const prerequisites_at_exit after_redundancy;  // as in attention_score_mma_kernel
+  allow_dependents();
   if (failed(rs)) return;
   const row_coord rc = decode_row(rs, blockIdx.x);
   const batch_item it = rs.items[rc.item];

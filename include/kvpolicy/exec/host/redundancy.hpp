@@ -20,7 +20,8 @@ template <Redundancy R>
 std::vector<float> redundancy_scores(const R& r, std::span<const float> keys, std::int32_t n, std::int32_t d,
                                      std::int32_t block) {
   // C(u, v) = (k_u . k_v) * (inv_u * inv_v) with inv = 1 / (||k|| + eps): symmetric to the
-  // bit, and the form the device computes (raw dot products, then the scale).
+  // bit. The device also takes raw dot products, then scales them in fp32, by inv_v per
+  // element and by inv_u once per row (a rounding apart, like its dot products).
   std::vector<float> inv(static_cast<std::size_t>(n));
   for (std::int32_t t = 0; t < n; ++t) {
     float ss = 0.0f;
