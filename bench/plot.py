@@ -134,7 +134,7 @@ def plot_stages(plt, ctx, rows, out_dir) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     bars = ax.bar(labels, fracs, color=["C0", "C1", "C2", "C3", "C7"][: len(labels)])
     for bar, f, m in zip(bars, fracs, ms):
-        ax.annotate(f"{f:.2f}\n{m:.3f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        ax.annotate(f"{f:.3f}\n{m:.3f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_ylabel("fraction of device copy bandwidth")
@@ -213,7 +213,7 @@ def plot_presets(plt, ctx, rows, out_dir) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     bars = ax.bar([p for p, _ in pre], [r["ms"] for _, r in pre])
     for bar, (_, r) in zip(bars, pre):
-        ax.annotate(f"{r['ms']:.3g} ms\n{r.get('copy_fraction', 0):.2f} copy",
+        ax.annotate(f"{r['ms']:.3g} ms\n{r.get('copy_fraction', 0):.3f} copy",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("compression time (ms)")

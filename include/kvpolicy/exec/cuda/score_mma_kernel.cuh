@@ -248,8 +248,8 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       const std::uint16_t* kb = kbase + buf * tile_elems;
       // Probabilities with the keys as rows: warps take (16 keys x 32 queries) pieces.
       // (This MMA loop is the logits loop below with A and B swapped; one helper for
-      // both measured 1.5% slower on A, 0.544 -> 0.552 ms, from its register
-      // allocation.)
+      // both measured 1.5% slower on A, 0.544 -> 0.552 ms at commit c07098b, from its
+      // register allocation.)
       for (std::int32_t piece = warp; pass == 1 && in_fragments && piece < (rows / 32) * 4; piece += warps) {
         const std::int32_t key0 = (piece % 4) * 16, chunk = piece / 4, q0 = chunk * 32;
         float* chunk_part = part + (buf * (rows / 32) + chunk) * mma_key_tile;
