@@ -41,8 +41,9 @@ __device__ inline void gram_tile(float (&acc)[8][4], const std::uint16_t* a, con
 
 // A lane's two rows (lane / 4 and lane / 4 + 8) of a 16-row tile. The fold works in
 // x = acc * inv_v, the similarity before its row's factor inv_u: C = x * inv_u is
-// over theta when x is over theta / inv_u, so each element costs one multiply, not
-// two, and finish() applies inv_u to the sum and the newest similarity once per row.
+// over theta when x is over theta / inv_u (inv_u > 0 on every real row), so each
+// element costs one multiply, not two, and finish() applies inv_u to the sum and
+// the newest similarity once per row.
 struct similarity_rows {
   float inv[2] = {0.0f, 0.0f};  // inverse norms; 0 for padding rows, whose state is never read
   float over[2] = {0.0f, 0.0f};  // theta / inv
