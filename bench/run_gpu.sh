@@ -69,6 +69,7 @@ log "repo $ROOT, build $BUILD, out $OUT, quick $QUICK"
   > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 if [[ -n $PREBUILT ]]; then
+  bash "$ROOT/scripts/unpack_bundle.sh" "$PREBUILT"
   log "prebuilt: $(head -n 2 "$PREBUILT/BUILD_INFO" 2>/dev/null | tr '\n' ' ')"
   export LD_LIBRARY_PATH="$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   BENCH=$PREBUILT/bin/kvpolicy_bench

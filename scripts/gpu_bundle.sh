@@ -9,7 +9,10 @@
 # binaries load that a bare CUDA machine lacks (Google Benchmark, fmt, the CUDA
 # runtime); DIR/BUILD_INFO: commit, architecture, date. scripts/gpu_check.sh and
 # bench/run_gpu.sh --prebuilt DIR run it there, so no device time goes on a build.
-# Environment: KVPOLICY_BUILD_DIR (default build-gpu), CUDA_ARCH (default 90a).
+# Binaries and libraries are xz-compressed (a sixth of their size: the device tool
+# carries at most 64 MiB); those two scripts unpack them (scripts/unpack_bundle.sh).
+# Environment: KVPOLICY_BUILD_DIR (default build-gpu), CUDA_ARCH (default 90a),
+# KVP_BUNDLE_XZ (default 1; 0 leaves the files unpacked).
 set -euo pipefail
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -43,6 +46,10 @@ done | sort -u | while read -r lib; do
     *) cp -L "$lib" "$DIR/lib/" ;;
   esac
 done
+
+if [[ ${KVP_BUNDLE_XZ:-1} != 0 ]]; then
+  xz --threads=0 -3 "$DIR"/bin/* "$DIR"/lib/*
+fi
 
 {
   echo "commit $(git -C "$KVP_ROOT" rev-parse HEAD)$(git -C "$KVP_ROOT" diff --quiet HEAD -- include tests bench examples || echo ' (with uncommitted changes)')"

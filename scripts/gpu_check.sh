@@ -32,7 +32,9 @@ while (($#)); do
 done
 : "${OUT:?set OUT to the output directory}"
 ((${#STEPS[@]})) || { echo "gpu_check.sh: name at least one step (--help)" >&2; exit 2; }
-[[ -x $BUNDLE/bin/kvpolicy_gpu_tests ]] || { echo "gpu_check.sh: no bundle at $BUNDLE (scripts/gpu_bundle.sh)" >&2; exit 2; }
+[[ -d $BUNDLE/bin ]] || { echo "gpu_check.sh: no bundle at $BUNDLE (scripts/gpu_bundle.sh)" >&2; exit 2; }
+bash "$(dirname "${BASH_SOURCE[0]}")/unpack_bundle.sh" "$BUNDLE" || exit 2
+[[ -x $BUNDLE/bin/kvpolicy_gpu_tests ]] || { echo "gpu_check.sh: $BUNDLE/bin has no kvpolicy_gpu_tests" >&2; exit 2; }
 BUNDLE=$(cd "$BUNDLE" && pwd)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT"
