@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 #include <doctest/doctest.h>
 #include <thrust/device_vector.h>
+#include <thrust/fill.h>
 
 #include "kvpolicy/kvpolicy.cuh"
 #include "support/device_vectors.cuh"
@@ -172,12 +173,14 @@ struct device_outputs {
               thrust::raw_pointer_cast(keep.data()),            thrust::raw_pointer_cast(final_scores.data())};
   }
 
-  // Two-phase: size the workspace, allocate it, run.
+  // Two-phase: size the workspace, allocate it, run. The workspace starts as garbage
+  // (every byte 0xff), as an engine's reused buffer may: nothing may rely on its content.
   template <class P>
   cudaError_t run(const kvp::cuda_executor& ex, const P& p, const device_side& d) {
     std::size_t bytes = 0;
     if (auto e = ex.compress(nullptr, bytes, p, d.cache, d.queries, d.scores, batch, result); e != cudaSuccess) return e;
     temp.resize(std::max<std::size_t>(bytes, 1));
+    thrust::fill(temp.begin(), temp.end(), std::byte{0xff});
     return ex.compress(thrust::raw_pointer_cast(temp.data()), bytes, p, d.cache, d.queries, d.scores, batch, result);
   }
 };

@@ -53,6 +53,7 @@ void capture_and_replay(std::int32_t groups = 0) {
   std::size_t bytes = 0;
   REQUIRE_EQ(cudaSuccess, ex.compress(nullptr, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
   out.temp.resize(bytes);
+  thrust::fill(out.temp.begin(), out.temp.end(), std::byte{0xff});  // garbage, as a reused buffer holds
   void* temp = thrust::raw_pointer_cast(out.temp.data());
   cudaGraph_t graph;
   REQUIRE_EQ(cudaSuccess, cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));

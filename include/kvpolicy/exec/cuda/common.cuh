@@ -77,6 +77,43 @@ struct prerequisites_at_exit {
   __device__ ~prerequisites_at_exit() { wait_for_prerequisites(); }
 };
 
+// The last block of a grid waits for the prerequisites as it leaves, so that the grid
+// ends after them even where its other blocks waited for rows instead (row hand-off,
+// below): later work in the stream then sees every kernel before this one finished.
+struct last_block_waits_at_exit {
+  __device__ ~last_block_waits_at_exit() {
+    if (blockIdx.x == gridDim.x - 1) wait_for_prerequisites();
+  }
+};
+
+// Row hand-off between two chained kernels, finer than the grid: the producer block of
+// row r sets ready[r] once the row's results are written; the consumer block of row r
+// waits for that flag instead of the whole producer grid, so rows whose producer
+// finished early go on in the producer's last wave. Flags start at zero (the validate
+// kernel clears them). The consumer is a programmatic dependent launch, which starts
+// only once every producer block has started, so it never waits on a block that has
+// no SM to run on. The release / acquire pair at GPU scope, each after or before a
+// block barrier, makes every write of the producer block visible to every thread of
+// the consumer block.
+__device__ inline void publish_row(std::int32_t* ready, std::uint32_t row) {
+  __syncthreads();
+#if defined(__CUDA_ARCH__)
+  if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ready + row), "r"(1) : "memory");
+#endif
+}
+__device__ inline void await_row(const std::int32_t* ready, std::uint32_t row) {
+#if defined(__CUDA_ARCH__)
+  if (threadIdx.x == 0) {
+    for (std::int32_t v = 0;;) {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ready + row) : "memory");
+      if (v != 0) break;
+      __nanosleep(200);
+    }
+  }
+#endif
+  __syncthreads();
+}
+
 // Kernels after validation do nothing once an error was found, so a malformed
 // batch never writes a byte.
 __device__ inline bool failed(const row_space& rs) {

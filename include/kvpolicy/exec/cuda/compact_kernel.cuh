@@ -26,10 +26,12 @@ KVP_HOST_DEVICE constexpr std::int32_t compact_chunk(std::int64_t row_bytes, std
 // its rows is written, and chunks run front to back: a chunk only overwrites
 // positions whose tokens were already read. Rows whose position does not change
 // are neither read nor written. Reads are cp.async (every row of the chunk in
-// flight at once); each warp moves one token's K and V rows at a time.
+// flight at once); each warp moves one token's K and V rows at a time. `ready_in`:
+// null to wait for the whole epilogue grid first, or its row hand-off flags.
 template <class P>
 __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
-                                                              const std::uint8_t* keep, std::int32_t chunk) {
+                                                              const std::uint8_t* keep, std::int32_t chunk,
+                                                              const std::int32_t* ready_in) {
   using scan = cub::BlockScan<std::int32_t, row_threads>;
   extern __shared__ uint4 smem16[];
   __shared__ typename scan::TempStorage scan_tmp;
@@ -41,8 +43,10 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   __shared__ float* src_f[row_threads];
   __shared__ float* dst_f[row_threads];
   __shared__ std::int32_t chunk_kept;
-  wait_for_prerequisites();  // the keep mask
+  const last_block_waits_at_exit in_order;
+  if (!ready_in) wait_for_prerequisites();  // the keep mask and F
   if (failed(rs)) return;
+  if (ready_in) await_row(ready_in, blockIdx.x);
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];

@@ -34,7 +34,8 @@ KVP_HOST_DEVICE constexpr std::size_t attention_smem_floats(std::int32_t w, std:
 // the group and the window into one score per key.
 template <AttentionScorer S>
 __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged_kv_view cache, query_window_view q,
-                                                                      row_space rs, float* scores) {
+                                                                      row_space rs, float* scores,
+                                                                      std::int32_t* ready_out) {
   extern __shared__ float4 smem4[];
   const prerequisites_at_exit after_redundancy;  // as in attention_score_mma_kernel
   allow_dependents();
@@ -145,11 +146,16 @@ __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged
       }
     }
   }
+  // Row hand-off to the epilogue, which reads redundancy too: published after it.
+  if (ready_out) {
+    wait_for_prerequisites();
+    publish_row(ready_out, blockIdx.x);
+  }
 }
 
 // score[t] = s.key_score(k_t, t, T), one thread per token.
 template <KeyScorer S>
-__global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* scores) {
+__global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* scores, std::int32_t* ready_out) {
   const prerequisites_at_exit after_redundancy;  // as in attention_score_mma_kernel
   allow_dependents();
   if (failed(rs)) return;
@@ -159,6 +165,11 @@ __global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* 
   for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
     scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
         s.key_score(row_ref{cache.k_row(rc.layer, it.seq, t, rc.head), cache.type, cache.head_dim}, t, T);
+  // Row hand-off to the epilogue, which reads redundancy too: published after it.
+  if (ready_out) {
+    wait_for_prerequisites();
+    publish_row(ready_out, blockIdx.x);
+  }
 }
 
 }  // namespace cuda

@@ -145,11 +145,12 @@ inline constexpr int score_blocks_per_sm = 4;
 // ahead of the MMAs that wait on them (configuration A, d 128: 0.540 -> 0.521 ms).
 template <AttentionScorer S, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
-    attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores) {
+    attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
+                               std::int32_t* ready_out) {
   extern __shared__ uint4 smem16[];
   // Launched after lightning redundancy, with which it shares nothing, this kernel
   // may start in its last wave; it finishes after it, so that the epilogue, which
-  // waits for this kernel, sees both.
+  // waits for this kernel (or, given ready_out, for this block), sees both.
   const prerequisites_at_exit after_redundancy;
   allow_dependents();
   if (failed(rs)) return;
@@ -442,6 +443,11 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       __syncthreads();
       finish_scores((n - 1) / mma_key_tile * mma_key_tile, buf ^ 1);
     }
+  }
+  // Row hand-off to the epilogue, which reads redundancy too: published after it.
+  if (ready_out) {
+    wait_for_prerequisites();
+    publish_row(ready_out, blockIdx.x);
   }
 }
 

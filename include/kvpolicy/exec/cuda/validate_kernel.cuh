@@ -14,10 +14,15 @@ KVP_NAMESPACE_BEGIN
 namespace cuda {
 
 // One block per batch item. Mirrors validate_batch (exec/validate.hpp) check for check.
+// First it clears the item's row hand-off flags (`ready`: [flag_sets][rows]), which
+// the workspace holds from any earlier call or none.
 template <class P>
 __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_view cache, query_window_view queries,
-                                                               row_space rs) {
+                                                               row_space rs, std::int32_t* ready, std::int32_t flag_sets) {
   const std::int32_t i = blockIdx.x;
+  const std::int64_t per_item = std::int64_t{rs.num_layers} * rs.num_heads;
+  for (std::int32_t k = 0; k < flag_sets; ++k)
+    for (std::int64_t r = threadIdx.x; r < per_item; r += blockDim.x) ready[k * rs.rows() + i * per_item + r] = 0;
   const batch_item it = rs.items[i];
   __shared__ std::int32_t ok;
   if (threadIdx.x == 0) {
