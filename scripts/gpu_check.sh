@@ -11,13 +11,15 @@
 #   tests      kvpolicy_gpu_tests and kvpolicy_gpu_unit_tests, every case
 #   sanitize   compute-sanitizer: memcheck, racecheck and synccheck on the parity and
 #              graph tests (KVP_PARITY_SCALE=0.03), memcheck and racecheck on the unit
-#              cases in shards of SHARD cases, JOBS processes at a time
+#              cases in shards of SHARD cases, JOBS processes at a time (racecheck with
+#              RACECHECK_PROPERTY_CASES, default 200, of each property case's 1000)
 #   bench      bench/run_gpu.sh --quick on the bundle (copy, A end to end and per stage)
 #   bench-full bench/run_gpu.sh on the bundle (every row, the reference at 3 sizes)
 #   profile    Nsight Compute (--set full) of the four stage kernels of stage/zipage/A:
 #              $OUT/profile.ncu-rep and its details page, $OUT/profile.txt
 #   demo       the demo on the GPU (--device cuda) beside the host
-# Environment: JOBS (default 4), SHARD (default 12), STEP_TIMEOUT seconds (default 540).
+# Environment: JOBS (default 4), SHARD (default 12), STEP_TIMEOUT seconds (default 540),
+# RACECHECK_PROPERTY_CASES (default 200).
 set -uo pipefail
 
 BUNDLE=.gpu-bundle
@@ -89,8 +91,11 @@ step_sanitize() {
   done
   export BIN OUT STEP_TIMEOUT
   # shellcheck disable=SC2016
+  # racecheck runs RACECHECK_PROPERTY_CASES of each property case's 1000 random cases.
+  export RACECHECK_PROPERTY_CASES=${RACECHECK_PROPERTY_CASES:-200}
   KVP_PARITY_SCALE=0.03 xargs -P "$JOBS" -L 1 bash -c \
-    'timeout "$STEP_TIMEOUT" compute-sanitizer --tool "$1" --error-exitcode 9 "$BIN/$2" "${@:3}" >"$OUT/$0" 2>&1; echo "$0 exit $?" >>"$OUT/sanitize.exits"' \
+    '[[ $1 == racecheck ]] && export KVP_PROPERTY_CASES=$RACECHECK_PROPERTY_CASES
+    timeout "$STEP_TIMEOUT" compute-sanitizer --tool "$1" --error-exitcode 9 "$BIN/$2" "${@:3}" >"$OUT/$0" 2>&1; echo "$0 exit $?" >>"$OUT/sanitize.exits"' \
     <"$jobs"
   while read -r log _; do
     note "sanitize $log: $(grep -h "^$log exit" "$OUT/sanitize.exits" | awk '{print $2, $3}'); $(verdict "$log")"
