@@ -345,7 +345,8 @@ struct cuda_executor {
   static constexpr std::size_t compact_smem_bytes = 64 * 1024;
 
   struct workspace_plan {
-    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, rows_global = 0, ready = 0, total = 0;
+    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, rows_global = 0, ready = 0;
+    std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
     // Row hand-off flags: [flag_sets][rows], score -> epilogue and epilogue -> layout.
     static constexpr std::int32_t flag_sets = 2;

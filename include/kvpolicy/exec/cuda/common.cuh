@@ -114,6 +114,14 @@ __device__ inline void await_row(const std::int32_t* ready, std::uint32_t row) {
   __syncthreads();
 }
 
+// A score kernel's row hand-off (none when `ready` is null): the epilogue reads
+// redundancy too, so the row is published once the kernel before, lightning, is done.
+__device__ inline void publish_scores(std::int32_t* ready, std::uint32_t row) {
+  if (!ready) return;
+  wait_for_prerequisites();
+  publish_row(ready, row);
+}
+
 // Kernels after validation do nothing once an error was found, so a malformed
 // batch never writes a byte.
 __device__ inline bool failed(const row_space& rs) {

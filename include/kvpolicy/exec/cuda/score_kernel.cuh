@@ -146,11 +146,7 @@ __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged
       }
     }
   }
-  // Row hand-off to the epilogue, which reads redundancy too: published after it.
-  if (ready_out) {
-    wait_for_prerequisites();
-    publish_row(ready_out, blockIdx.x);
-  }
+  publish_scores(ready_out, blockIdx.x);
 }
 
 // score[t] = s.key_score(k_t, t, T), one thread per token.
@@ -165,11 +161,7 @@ __global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* 
   for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
     scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
         s.key_score(row_ref{cache.k_row(rc.layer, it.seq, t, rc.head), cache.type, cache.head_dim}, t, T);
-  // Row hand-off to the epilogue, which reads redundancy too: published after it.
-  if (ready_out) {
-    wait_for_prerequisites();
-    publish_row(ready_out, blockIdx.x);
-  }
+  publish_scores(ready_out, blockIdx.x);
 }
 
 }  // namespace cuda

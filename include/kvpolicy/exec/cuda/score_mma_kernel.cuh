@@ -444,11 +444,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       finish_scores((n - 1) / mma_key_tile * mma_key_tile, buf ^ 1);
     }
   }
-  // Row hand-off to the epilogue, which reads redundancy too: published after it.
-  if (ready_out) {
-    wait_for_prerequisites();
-    publish_row(ready_out, blockIdx.x);
-  }
+  publish_scores(ready_out, blockIdx.x);
 }
 
 }  // namespace cuda

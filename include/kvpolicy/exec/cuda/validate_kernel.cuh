@@ -18,7 +18,8 @@ namespace cuda {
 // the workspace holds from any earlier call or none.
 template <class P>
 __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_view cache, query_window_view queries,
-                                                               row_space rs, std::int32_t* ready, std::int32_t flag_sets) {
+                                                               row_space rs, std::int32_t* ready,
+                                                               std::int32_t flag_sets) {
   const std::int32_t i = blockIdx.x;
   const std::int64_t per_item = std::int64_t{rs.num_layers} * rs.num_heads;
   for (std::int32_t k = 0; k < flag_sets; ++k)
