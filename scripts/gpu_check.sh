@@ -90,9 +90,9 @@ step_sanitize() {
     done
   done
   export BIN OUT STEP_TIMEOUT
-  # shellcheck disable=SC2016
   # racecheck runs RACECHECK_PROPERTY_CASES of each property case's 1000 random cases.
   export RACECHECK_PROPERTY_CASES=${RACECHECK_PROPERTY_CASES:-200}
+  # shellcheck disable=SC2016
   KVP_PARITY_SCALE=0.03 xargs -P "$JOBS" -L 1 bash -c \
     '[[ $1 == racecheck ]] && export KVP_PROPERTY_CASES=$RACECHECK_PROPERTY_CASES
     timeout "$STEP_TIMEOUT" compute-sanitizer --tool "$1" --error-exitcode 9 "$BIN/$2" "${@:3}" >"$OUT/$0" 2>&1; echo "$0 exit $?" >>"$OUT/sanitize.exits"' \

@@ -267,10 +267,9 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
             const auto smem = cuda::full_mma_smem_bytes(d);
-            if (cache.type == dtype::bf16)
-              launch_red(cuda::full_columns_mma_kernel<P, dtype::bf16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
-            else
-              launch_red(cuda::full_columns_mma_kernel<P, dtype::f16>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+            with_mma_type(cache, [&]<dtype Elem>() {
+              launch_red(cuda::full_columns_mma_kernel<P, Elem>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+            });
           } else {
             const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
             launch_red(cuda::full_columns_kernel<P>, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs, rowsum,
@@ -317,21 +316,25 @@ struct cuda_executor {
     }
   }
 
+  // Calls f.template operator()<Elem>() for the cache's 16-bit type.
+  template <class F>
+  static void with_mma_type(const paged_kv_view& cache, F&& f) {
+    if (cache.type == dtype::bf16)
+      f.template operator()<dtype::bf16>();
+    else
+      f.template operator()<dtype::f16>();
+  }
   // Calls f.template operator()<Elem, HeadDim>() for the cache's 16-bit type and its
   // head dim: 64 and 128 as constants, any other as 0 (read at run time).
   template <class F>
   static void with_mma_types(const paged_kv_view& cache, F&& f) {
-    const auto by_dim = [&]<dtype Elem>() {
+    with_mma_type(cache, [&]<dtype Elem>() {
       switch (cache.head_dim) {
         case 64: return f.template operator()<Elem, 64>();
         case 128: return f.template operator()<Elem, 128>();
         default: return f.template operator()<Elem, 0>();
       }
-    };
-    if (cache.type == dtype::bf16)
-      by_dim.template operator()<dtype::bf16>();
-    else
-      by_dim.template operator()<dtype::f16>();
+    });
   }
 
   bool mma_keys(const paged_kv_view& cache) const {
