@@ -355,11 +355,10 @@ struct bench_case {
   };
 
   template <class P>
-  cudaError_t compress(const P& p, cudaEvent_t* marks, bool with_keep = false, overlap o = {}, bool fuse = true) {
+  cudaError_t compress(const P& p, cudaEvent_t* marks, bool with_keep = false, overlap o = {}) {
     kvp::cuda_executor ex;
     ex.stream = stream;
     ex.stage_marks = marks;
-    ex.fuse_score_redundancy = fuse;
     if (o.groups > 0) {
       ex.overlap_stream = o.side;
       ex.overlap_events = o.events;
@@ -431,9 +430,7 @@ bytes_of model_bytes(const P& p, const shape& s, std::int64_t moved_tokens) {
 // The timed loop
 // ---------------------------------------------------------------------------
 
-// redundancy: the redundancy stage alone, so score and redundancy run as two kernels.
-// unfused: as e2e and stage, with cuda_executor::fuse_score_redundancy off.
-enum class row_kind { e2e, stage, redundancy, e2e_unfused, stage_unfused };
+enum class row_kind { e2e, stage, redundancy };
 
 void set_rate(benchmark::State& state, const std::string& prefix, double bytes, double seconds) {
   const double gbps = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
@@ -446,9 +443,6 @@ void set_rate(benchmark::State& state, const std::string& prefix, double bytes, 
 // cache is restored before each iteration, outside the timed region.
 template <class P>
 void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind, std::int32_t groups = 0) {
-  const bool fuse = kind == row_kind::e2e || kind == row_kind::stage;
-  if (kind == row_kind::e2e_unfused) kind = row_kind::e2e;
-  if (kind == row_kind::stage_unfused) kind = row_kind::stage;
   try {
     s.window = std::max(s.window, kvp::scorer_window(p.scorer));
     stream_guard stream;
@@ -472,7 +466,7 @@ void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind,
     for (auto _ : state) {
       bc.restore();
       KVP_BENCH_CHECK(cudaEventRecord(start, stream));
-      KVP_BENCH_CHECK(bc.compress(p, use_marks ? marks.data() : nullptr, false, o, fuse));
+      KVP_BENCH_CHECK(bc.compress(p, use_marks ? marks.data() : nullptr, false, o));
       KVP_BENCH_CHECK(cudaEventRecord(stop, stream));
       KVP_BENCH_CHECK(cudaEventSynchronize(stop));
       const double e2e = elapsed_ms(start, stop) * 1e-3;
@@ -600,11 +594,8 @@ void register_all() {
   for (std::int32_t groups : {1, 2, 3, 4})
     add_row("e2e_overlap" + std::to_string(groups) + "/zipage/A", kvp::presets::zipage{}, a, row_kind::e2e, 30, groups);
 
-  // Per stage, configuration A, zipage: with score and redundancy in one kernel (its
-  // time in score_ms), and as two kernels; and end to end as two kernels.
+  // Per stage, configuration A, zipage.
   add_row("stage/zipage/A", kvp::presets::zipage{}, a, row_kind::stage, 30);
-  add_row("stage_unfused/zipage/A", kvp::presets::zipage{}, a, row_kind::stage_unfused, 30);
-  add_row("e2e_unfused/zipage/A", kvp::presets::zipage{}, a, row_kind::e2e_unfused, 30);
 
   // Scaling in sequences (T 2304) and in tokens held (16 sequences).
   for (int seqs : {1, 4, 16, 64}) {

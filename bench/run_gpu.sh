@@ -6,8 +6,7 @@
 #
 # Run from the repository root. Uses fmt and Google Benchmark unpacked under
 # .deps/root/usr (Debian's libfmt-dev / libbenchmark-dev) when present.
-#   --quick   only the copy, e2e/zipage/A, e2e_overlap4/zipage/A, stage/zipage/A, their
-#             *_unfused rows,
+#   --quick   only the copy, e2e/zipage/A, e2e_overlap4/zipage/A, stage/zipage/A,
 #             scale_tokens/zipage/2304 and redundancy/*/2304 rows, and the reference
 #             at T = 2304 only
 #   --prebuilt DIR  run the binaries of a bundle made by scripts/gpu_bundle.sh
@@ -89,7 +88,7 @@ fi
 # Google Benchmark: every row has explicit iterations (gkv/rkv and full redundancy few).
 BENCH_ARGS=(--benchmark_out="$OUT/bench.json" --benchmark_out_format=json --benchmark_counters_tabular=true)
 if [[ $QUICK -eq 1 ]]; then
-  BENCH_ARGS+=(--benchmark_filter='^(copy|e2e/zipage/A|e2e_unfused/zipage/A|e2e_overlap4/zipage/A|stage/zipage/A|stage_unfused/zipage/A|scale_tokens/zipage/2304|redundancy/(lightning|lightning_batched|full)/2304)/')
+  BENCH_ARGS+=(--benchmark_filter='^(copy|e2e/zipage/A|e2e_overlap4/zipage/A|stage/zipage/A|scale_tokens/zipage/2304|redundancy/(lightning|lightning_batched|full)/2304)/')
 fi
 if [[ -n "$BENCH" ]]; then
   step bench bench.log "$BENCH" "${BENCH_ARGS[@]}"

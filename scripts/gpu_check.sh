@@ -114,7 +114,7 @@ step_profile() {
   ncu=$(command -v ncu)
   for c in /opt/nvidia/nsight-compute/*/ncu; do [[ -z $ncu && -x $c ]] && ncu=$c; done
   [[ -n $ncu ]] || { note "profile: ncu not found"; return; }
-  run_logged profile.log "$ncu" --set full -k 'regex:attention_score_mma|lightning_mma|score_lightning|epilogue_kernel|compact_kernel' \
+  run_logged profile.log "$ncu" --set full -k 'regex:attention_score_mma|lightning_mma|epilogue_kernel|compact_kernel' \
     -c 4 -f -o "$OUT/profile" "$BIN/kvpolicy_bench" --benchmark_filter='^stage/zipage/A/'
   rc=$?
   "$ncu" -i "$OUT/profile.ncu-rep" --page details >"$OUT/profile.txt" 2>&1

@@ -28,7 +28,6 @@
 #include "kvpolicy/exec/cuda/score_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/lightning_mma_kernel.cuh"
-#include "kvpolicy/exec/cuda/score_lightning_kernel.cuh"
 #include "kvpolicy/exec/cuda/full_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/validate_kernel.cuh"
 #include "kvpolicy/exec/device_status.hpp"
@@ -84,12 +83,6 @@ struct cuda_executor {
   // Q.K^T and K.K^T on tensor cores when the cache is f16/bf16 (and the queries of
   // the same type) and head_dim is a multiple of 16; false forces the fp32 FMA kernels.
   bool tensor_cores = true;
-  // Experimental, off by default: window attention and lightning redundancy in one
-  // kernel that reads each key once (cuda::score_lightning_kernel: a thread-block
-  // cluster per row, sm_90 and later), where the pipeline, the head dim (64, 128) and
-  // the row's block count (at most 16) allow it. Same results as the host; slower on
-  // configuration A (H100: 1.39 ms against 0.95 for the two kernels).
-  bool fuse_score_redundancy = false;
   // Optional overlap, given a second stream and two events (fork, join). The batch's
   // items are split into `overlap_groups` groups and pipelined: `stream` runs each
   // group's epilogue and compaction (bound by memory) while `overlap_stream` runs the
@@ -136,7 +129,6 @@ struct cuda_executor {
     require(batch.num_items == 0 || batch.items != nullptr, "batch.items", "is a null pointer");
 
     auto* ws = static_cast<std::byte*>(temp);
-    const bool fused = fuses_score_redundancy(pv, cache, queries, batch);
     const auto mark = [&](int i) {
       if (stage_marks) cudaEventRecord(stage_marks[i], stream);
     };
@@ -148,7 +140,7 @@ struct cuda_executor {
           pv, cache, queries, rs, reinterpret_cast<std::int32_t*>(ws + plan.ready), workspace_plan::flag_sets);
       if (!overlap_stream) {
         run_stages(pv, cache, queries, scores, rs, 0, batch.num_items, ws, plan, out, {stream, stream, stream}, mark,
-                   stage_marks == nullptr, fused);
+                   stage_marks == nullptr);
       } else {
         // A pipeline: `stream` runs every group's epilogue and compaction, the overlap
         // stream the next group's score and redundancy meanwhile; group 0 splits its
@@ -159,9 +151,8 @@ struct cuda_executor {
         for (std::int32_t g = 0; g < groups; ++g) {
           const std::int32_t first = static_cast<std::int32_t>(std::int64_t{batch.num_items} * g / groups);
           const std::int32_t last = static_cast<std::int32_t>(std::int64_t{batch.num_items} * (g + 1) / groups);
-          // Fused, a group's score and redundancy are one kernel on the overlap stream.
-          const stage_streams on{g == 0 && !fused ? stream : overlap_stream, overlap_stream, stream};
-          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false, fused);
+          const stage_streams on{g == 0 ? stream : overlap_stream, overlap_stream, stream};
+          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false);
         }
         cudaEventRecord(overlap_events[1], overlap_stream);
         cudaStreamWaitEvent(stream, overlap_events[1], 0);
@@ -198,12 +189,10 @@ struct cuda_executor {
   // contiguous range of every per-row buffer, their per-item results a range of the
   // per-item ones. `mark(i)` records stage mark i (or nothing). `programmatic`: the
   // stages may be chained by programmatic dependent launches (nothing between them).
-  // `fused`: score and redundancy may run as one kernel (fuses_score_redundancy), which
-  // they do when both are on one stream.
   template <class P, class Mark>
   void run_stages(const P& pv, const paged_kv_view& cache, const query_window_view& queries, const score_view& scores,
                   cuda::row_space rs, std::int32_t first, std::int32_t count, std::byte* ws, const workspace_plan& plan,
-                  const device_result& out, stage_streams on, Mark mark, bool programmatic, bool fused) const {
+                  const device_result& out, stage_streams on, Mark mark, bool programmatic) const {
     using S = typename P::scorer_type;
     using A = typename P::aggregate_type;
     using R = typename P::redundancy_type;
@@ -238,7 +227,6 @@ struct cuda_executor {
     constexpr bool scores_last = !std::same_as<S, none> && (lightning || std::same_as<R, none>);
     std::int32_t* score_ready = chained && scores_last ? ready + row0 : nullptr;
     std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
-    const bool fuse = fused && on.score == on.redundancy;
 
     const auto score_stage = [&] {
       if constexpr (AttentionScorer<S>) {
@@ -292,17 +280,7 @@ struct cuda_executor {
         }
       }
     };
-    if (fuse) {
-      if constexpr (AttentionScorer<S> && lightning) {
-        const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-        const auto smem = cuda::score_lightning_smem_bytes(pv.scorer.window, G, cache.head_dim, cache.block_size);
-        with_score_lightning_kernel<P>(cache, [&](auto kernel) {
-          launch_cluster(on.score, kernel, rows, static_cast<unsigned>(blocks_per_item), smem, pv, cache, queries, rs,
-                         score_buf, red_buf, score_ready);
-        });
-      }
-      mark(1);
-    } else if (chained && lightning) {
+    if (chained && lightning) {
       redundancy_stage();
       score_stage();
     } else {
@@ -311,7 +289,7 @@ struct cuda_executor {
       redundancy_stage();
     }
     // At most one other stream: score and redundancy each run on it or on tail.
-    const bool red_elsewhere = !fuse && !std::same_as<R, none> && on.redundancy != on.tail;
+    const bool red_elsewhere = !std::same_as<R, none> && on.redundancy != on.tail;
     if (on.score != on.tail || red_elsewhere) {
       cudaEventRecord(overlap_events[1], on.score != on.tail ? on.score : on.redundancy);
       cudaStreamWaitEvent(on.tail, overlap_events[1], 0);
@@ -357,100 +335,6 @@ struct cuda_executor {
         default: return f.template operator()<Elem, 0>();
       }
     });
-  }
-
-  // Calls f(kernel) with the score_lightning_kernel for the cache's 16-bit type and
-  // head dim (64 or 128).
-  template <class P, class F>
-  static void with_score_lightning_kernel(const paged_kv_view& cache, F&& f) {
-    with_mma_type(cache, [&]<dtype Elem>() {
-      if (cache.head_dim == 64)
-        f(cuda::score_lightning_kernel<P, Elem, 64>);
-      else
-        f(cuda::score_lightning_kernel<P, Elem, 128>);
-    });
-  }
-
-  // Whether score and redundancy run as one score_lightning_kernel: window attention
-  // whose reduces run in the fragments, lightning redundancy, 16-bit keys and
-  // queries of head dim 64 or 128, and a cluster of one block per cache block of the
-  // longest row that the device can place. Asked before any launch; a query that
-  // fails (an older device, a kernel not built for sm_90) means no.
-  template <class P>
-  bool fuses_score_redundancy(const P& p, const paged_kv_view& cache, const query_window_view& queries,
-                              const device_batch& batch) const {
-    using S = typename P::scorer_type;
-    using R = typename P::redundancy_type;
-    if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
-      if (!fuse_score_redundancy || !mma_scores(cache, queries) || (cache.head_dim != 64 && cache.head_dim != 128))
-        return false;
-      const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-      const std::int32_t blocks = max_blocks(batch, cache);
-      if (!cuda::reduces_in_fragments(p.scorer.group, G) || blocks > cuda::max_cluster_blocks) return false;
-      const auto smem = cuda::score_lightning_smem_bytes(p.scorer.window, G, cache.head_dim, cache.block_size);
-      if (smem > static_cast<std::size_t>(shared_memory_limit())) return false;
-      bool fits = false;
-      with_score_lightning_kernel<P>(cache, [&](auto kernel) { fits = cluster_fits(kernel, blocks, smem); });
-      return fits;
-    } else {
-      return false;
-    }
-  }
-
-  // Whether the device can run clusters of `blocks` blocks of `kernel` with `smem`
-  // bytes each (sets the kernel's shared-memory and cluster-size attributes). An error
-  // of these queries is cleared, unless one was pending before them.
-  template <class Kernel>
-  static bool cluster_fits(Kernel kernel, std::int32_t blocks, std::size_t smem) {
-    const bool clean = cudaPeekAtLastError() == cudaSuccess;
-    const auto no = [&] {
-      if (clean) cudaGetLastError();
-      return false;
-    };
-    int device = 0, major = 0;
-    cudaFuncAttributes built{};
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9 ||
-        cudaFuncGetAttributes(&built, kernel) != cudaSuccess || built.binaryVersion < 90)
-      return no();
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess)
-      return no();
-    if (blocks > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
-      return no();
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = static_cast<unsigned>(blocks);
-    attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(1, static_cast<unsigned>(blocks));
-    config.blockDim = dim3(cuda::row_threads);
-    config.dynamicSmemBytes = smem;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) return no();
-    return clusters > 0;
-  }
-
-  // A launch of grid (grid_x, blocks) in clusters of (1, blocks); the kernel's
-  // attributes were set by cluster_fits.
-  template <class Kernel, class... Args>
-  static void launch_cluster(cudaStream_t on, Kernel kernel, unsigned grid_x, unsigned blocks, std::size_t smem,
-                             Args... args) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = blocks;
-    attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(grid_x, blocks);
-    config.blockDim = dim3(cuda::row_threads);
-    config.dynamicSmemBytes = smem;
-    config.stream = on;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    cudaLaunchKernelEx(&config, kernel, args...);
   }
 
   bool mma_keys(const paged_kv_view& cache) const {

@@ -32,46 +32,47 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
   return (padded > core ? padded : core) + 4 * static_cast<std::size_t>(round64(block)) * 4;
 }
 
-// How lightning holds a block's keys in shared memory: wgmma's core matrices on
-// sm_90a, rows padded for ldmatrix elsewhere.
-#if KVP_CUDA_WGMMA
-using lightning_layout = core_matrices;
-__device__ inline lightning_layout make_lightning_layout(std::int32_t d) { return {d}; }
-#else
-using lightning_layout = padded_rows;
-__device__ inline lightning_layout make_lightning_layout(std::int32_t d) { return {d + 8}; }
-#endif
-
-// Per-key scratch of lightning_block, in floats: inverse norm, row sum, newest
-// neighbour and that similarity, round64(b) of each.
-KVP_HOST_DEVICE constexpr std::size_t lightning_scratch_floats(std::int32_t block) {
-  return 4 * static_cast<std::size_t>(round64(block));
-}
-
-// The lightning redundancy of one cache block whose `count` keys (positions pos0
-// on) are in shared memory, laid out by make_lightning_layout(d) with rows past
-// count zero, made visible to every thread (and to wgmma: fence_async_shared, then a
-// barrier). Writes red(t) / b / tau to out[0, count). Called by the whole block.
-template <class Red, dtype Elem>
-__device__ inline void lightning_block(const Red& red, const std::uint16_t* keys, float* scratch, std::int32_t count,
-                                       std::int32_t pos0, std::int32_t b, std::int32_t d, float* out) {
+// HeadDim: the head dim as a constant (64 and 128, from the executor), or 0 to read
+// it at run time, as for attention_score_mma_kernel.
+template <class P, dtype Elem, int HeadDim = 0>
+__global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                    float* red_out) {
+  extern __shared__ uint4 smem16[];
+  allow_dependents();  // the score kernel may start in this kernel's last wave
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
+  if (pos0 >= n) return;
+  const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const float theta = red.theta;
-  const lightning_layout at = make_lightning_layout(d);
+  const float theta = p.redundancy.theta;
 #if KVP_CUDA_WGMMA
-  // Warpgroups take 64-row tiles (a warp 16 rows of them).
+  // Warpgroups take 64-row tiles (a warp 16 rows of them); keys in wgmma's layout.
   const std::int32_t rows = round64(count), first_tile = warp_uniform(warp / 4) * 64, tile_step = warps / 4 * 64;
   const std::int32_t warp_row = warp % 4 * 16;
+  const core_matrices at{d};
 #else
-  // Warps take 16-row tiles.
+  // Warps take 16-row tiles; keys padded for ldmatrix.
   const std::int32_t rows = round16(count), first_tile = warp * 16, tile_step = warps * 16, warp_row = 0;
+  const padded_rows at{d + 8};
 #endif
-  float* inv = scratch;
-  float* rowsum = inv + round64(b);
-  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + round64(b));
-  float* newest_c = reinterpret_cast<float*>(newest + round64(b));
 
-  inverse_norms_16<Elem>(keys, inv, count, d, at, red.eps);
+  auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
+  auto* inv = reinterpret_cast<float*>(keys + at(rows, 0));
+  float* rowsum = inv + rows;
+  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
+  float* newest_c = reinterpret_cast<float*>(newest + rows);
+
+  // Rows past count are zero, so the tiles past it add nothing.
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
+  inverse_norms_16<Elem>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
 
   for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
@@ -112,39 +113,8 @@ __device__ inline void lightning_block(const Red& red, const std::uint16_t* keys
   if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
   __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(b);
-  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x) out[t] = rowsum[t] * inv_n / red.tau;
-}
-
-// HeadDim: the head dim as a constant (64 and 128, from the executor), or 0 to read
-// it at run time, as for attention_score_mma_kernel.
-template <class P, dtype Elem, int HeadDim = 0>
-__global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                    float* red_out) {
-  extern __shared__ uint4 smem16[];
-  allow_dependents();  // the score kernel may start in this kernel's last wave
-  if (failed(rs)) return;
-  const std::int64_t row = blockIdx.x;
-  const row_coord rc = decode_row(rs, row);
-  const batch_item it = rs.items[rc.item];
-  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
-  if (pos0 >= n) return;
-  const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
-  const lightning_layout at = make_lightning_layout(d);
-#if KVP_CUDA_WGMMA
-  const std::int32_t rows = round64(count);
-#else
-  const std::int32_t rows = round16(count);
-#endif
-  auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
-  // Rows past count are zero, so the tiles past it add nothing.
-  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
-  cp_async_commit();
-  cp_async_wait<0>();
-  fence_async_shared();
-  __syncthreads();
-  lightning_block<decltype(p.redundancy), Elem>(p.redundancy, keys, reinterpret_cast<float*>(keys + at(rows, 0)), count,
-                                                pos0, b, d, red_out + row * rs.max_tokens + pos0);
+  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
+    red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
 }
 
 }  // namespace cuda
