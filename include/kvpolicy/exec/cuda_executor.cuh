@@ -76,9 +76,6 @@ struct cuda_executor {
   host_mirror mirror{};
   // Optional: 5 events recorded before the first kernel and after the score,
   // redundancy, epilogue (aggregate + select) and layout stages. Not while capturing.
-  // Where the redundancy stage computes the softmax statistics
-  // (redundancy_computes_statistics), it runs first: events 1 and 2 then follow the
-  // redundancy and the score stage.
   // With them the stages run one after the other, without the programmatic
   // dependent launches and row hand-offs that otherwise let each start in the last
   // wave of the one before (run_stages), so that their times add up.
@@ -86,12 +83,6 @@ struct cuda_executor {
   // Q.K^T and K.K^T on tensor cores when the cache is f16/bf16 (and the queries of
   // the same type) and head_dim is a multiple of 16; false forces the fp32 FMA kernels.
   bool tensor_cores = true;
-  // Lightning redundancy on tensor cores also computes the window attention's softmax
-  // statistics from the keys it holds in shared memory, so the score kernel reads
-  // the keys once, not twice (configuration A, H100: see bench/results). Applies
-  // where redundancy_computes_statistics says; false makes the score kernel compute
-  // them (the results differ only by fp32 rounding).
-  bool statistics_in_redundancy = false;
   // Optional overlap, given a second stream and two events (fork, join). The batch's
   // items are split into `overlap_groups` groups and pipelined: `stream` runs each
   // group's epilogue and compaction (bound by memory) while `overlap_stream` runs the
@@ -127,12 +118,7 @@ struct cuda_executor {
 
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
                        batch.max_tokens, out.status};
-    const bool stats = redundancy_computes_statistics(pv, cache, queries);
-    const std::int64_t stats_per_row =
-        stats ? max_blocks(batch, cache) * cuda::block_statistics_count(scorer_window(pv.scorer),
-                                                                         queries.num_q_heads / cache.num_kv_heads)
-              : 0;
-    const auto plan = plan_workspace<P>(rs, out, !rows_fit_in_shared_memory(batch.max_tokens), stats_per_row);
+    const auto plan = plan_workspace<P>(rs, out, !rows_fit_in_shared_memory(batch.max_tokens));
     if (temp == nullptr) {
       temp_bytes = plan.total;
       return cudaSuccess;
@@ -154,7 +140,7 @@ struct cuda_executor {
           pv, cache, queries, rs, reinterpret_cast<std::int32_t*>(ws + plan.ready), workspace_plan::flag_sets);
       if (!overlap_stream) {
         run_stages(pv, cache, queries, scores, rs, 0, batch.num_items, ws, plan, out, {stream, stream, stream}, mark,
-                   stage_marks == nullptr, stats);
+                   stage_marks == nullptr);
       } else {
         // A pipeline: `stream` runs every group's epilogue and compaction, the overlap
         // stream the next group's score and redundancy meanwhile; group 0 splits its
@@ -165,10 +151,8 @@ struct cuda_executor {
         for (std::int32_t g = 0; g < groups; ++g) {
           const std::int32_t first = static_cast<std::int32_t>(std::int64_t{batch.num_items} * g / groups);
           const std::int32_t last = static_cast<std::int32_t>(std::int64_t{batch.num_items} * (g + 1) / groups);
-          // When redundancy computes the statistics, every group's score and redundancy
-          // run on the overlap stream, one after the other.
-          const stage_streams on{g == 0 && !stats ? stream : overlap_stream, overlap_stream, stream};
-          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false, stats);
+          const stage_streams on{g == 0 ? stream : overlap_stream, overlap_stream, stream};
+          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false);
         }
         cudaEventRecord(overlap_events[1], overlap_stream);
         cudaStreamWaitEvent(stream, overlap_events[1], 0);
@@ -191,23 +175,6 @@ struct cuda_executor {
     return cudaGetLastError();
   }
 
-  // Whether the lightning redundancy kernel computes the window attention's softmax
-  // statistics (statistics_in_redundancy): an attention scorer whose reduces run in
-  // the fragments, both stages on tensor cores, and head dim 64 or 128.
-  template <class P>
-  bool redundancy_computes_statistics(const P& p, const paged_kv_view& cache,
-                                      const query_window_view& queries) const {
-    using S = typename P::scorer_type;
-    using R = typename P::redundancy_type;
-    if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
-      return statistics_in_redundancy && mma_scores(cache, queries) &&
-             cuda::reduces_in_fragments(p.scorer.group, queries.num_q_heads / cache.num_kv_heads) &&
-             (cache.head_dim == 64 || cache.head_dim == 128);
-    } else {
-      return false;
-    }
-  }
-
  private:
   struct workspace_plan;
 
@@ -222,12 +189,10 @@ struct cuda_executor {
   // contiguous range of every per-row buffer, their per-item results a range of the
   // per-item ones. `mark(i)` records stage mark i (or nothing). `programmatic`: the
   // stages may be chained by programmatic dependent launches (nothing between them).
-  // `stats`: redundancy_computes_statistics, whose results go through plan.stats
-  // when score and redundancy share a stream.
   template <class P, class Mark>
   void run_stages(const P& pv, const paged_kv_view& cache, const query_window_view& queries, const score_view& scores,
                   cuda::row_space rs, std::int32_t first, std::int32_t count, std::byte* ws, const workspace_plan& plan,
-                  const device_result& out, stage_streams on, Mark mark, bool programmatic, bool stats) const {
+                  const device_result& out, stage_streams on, Mark mark, bool programmatic) const {
     using S = typename P::scorer_type;
     using A = typename P::aggregate_type;
     using R = typename P::redundancy_type;
@@ -262,9 +227,6 @@ struct cuda_executor {
     constexpr bool scores_last = !std::same_as<S, none> && (lightning || std::same_as<R, none>);
     std::int32_t* score_ready = chained && scores_last ? ready + row0 : nullptr;
     std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
-    // Softmax statistics from the redundancy stage, which then runs first.
-    const bool stats_first = stats && on.score == on.redundancy;
-    auto* block_stats = stats_first ? reinterpret_cast<float2*>(ws + plan.stats) + row0 * plan.stats_per_row : nullptr;
 
     const auto score_stage = [&] {
       if constexpr (AttentionScorer<S>) {
@@ -274,7 +236,7 @@ struct cuda_executor {
                                                            cuda::reduces_in_fragments(pv.scorer.group, G));
           with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
             launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, 1, smem, pv.scorer, cache, queries, rs,
-                         score_buf, score_ready, static_cast<const float2*>(block_stats));
+                         score_buf, score_ready);
           });
         } else {
           const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
@@ -292,8 +254,7 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf, queries,
-                         block_stats);
+              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf);
             });
           } else {
             const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
@@ -319,9 +280,8 @@ struct cuda_executor {
         }
       }
     };
-    if (stats_first || (chained && lightning)) {
+    if (chained && lightning) {
       redundancy_stage();
-      mark(1);
       score_stage();
     } else {
       score_stage();
@@ -389,8 +349,6 @@ struct cuda_executor {
 
   struct workspace_plan {
     std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, rows_global = 0, ready = 0;
-    std::size_t stats = 0;  // [rows][stats_per_row] float2: softmax statistics per cache block
-    std::int64_t stats_per_row = 0;
     std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
     // Row hand-off flags: [flag_sets][rows], score -> epilogue and epilogue -> layout.
@@ -403,8 +361,7 @@ struct cuda_executor {
   }
 
   template <class P>
-  static workspace_plan plan_workspace(const cuda::row_space& rs, const device_result& out, bool rows_global,
-                                       std::int64_t stats_per_row) {
+  static workspace_plan plan_workspace(const cuda::row_space& rs, const device_result& out, bool rows_global) {
     const std::size_t cells = static_cast<std::size_t>(rs.rows()) * static_cast<std::size_t>(rs.max_tokens);
     workspace_plan w;
     w.rows = rs.rows();
@@ -425,10 +382,6 @@ struct cuda_executor {
     }
     if (!out.keep_masks) w.keep = take(cells);
     if (rows_global) w.rows_global = take(2 * cells * sizeof(float));  // offset 0 is never a real buffer
-    if (stats_per_row > 0) {
-      w.stats_per_row = stats_per_row;
-      w.stats = take(static_cast<std::size_t>(rs.rows() * stats_per_row) * sizeof(float2));
-    }
     return w;
   }
 

@@ -143,14 +143,10 @@ inline constexpr int score_blocks_per_sm = 4;
 // HeadDim: the head dim as a constant (the executor builds 64 and 128 so), or 0 to
 // read it at run time. A constant unrolls the MMA loops whole, so ldmatrix loads run
 // ahead of the MMAs that wait on them (configuration A, d 128: 0.540 -> 0.521 ms).
-// block_stats: the softmax statistics of each cache block of the row, written by
-// the kernel before (lightning_mma_kernel's stats_out), joined here instead of the
-// first pass over the keys; null to make that pass (the reduces must run in the
-// fragments when it is given).
 template <AttentionScorer S, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
-                               std::int32_t* ready_out, const float2* block_stats) {
+                               std::int32_t* ready_out) {
   extern __shared__ uint4 smem16[];
   // Launched after lightning redundancy, with which it shares nothing, this kernel
   // may start in its last wave; it finishes after it, so that the epilogue, which
@@ -209,23 +205,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     }
   }
   const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
-  if (block_stats) {
-    // The blocks' statistics, joined in block order; blocks past the candidates wrote none.
-    wait_for_prerequisites();
-    const std::int32_t b = cache.block_size, blocks = (n + b - 1) / b;
-    const std::int64_t per_block = 2 * std::int64_t{rows};
-    const float2* row_stats = block_stats + std::int64_t{blockIdx.x} * ((rs.max_tokens + b - 1) / b) * per_block;
-    for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
-      float2 st{ninf, 0.0f};
-      for (std::int32_t blk = 0; blk < blocks; ++blk)
-        for (std::int32_t h = 0; h < 2; ++h) {
-          const float2 part_stat = row_stats[blk * per_block + h * rows + i];
-          if (part_stat.x != ninf) st = merge_nonempty(st, part_stat.x, part_stat.y);
-        }
-      half_stat[2 * i] = st;  // the same thread set both halves to empty above
-    }
-  }
-  for (int pass = block_stats ? 1 : 0; pass < 2; ++pass) {
+  for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
       for (std::int32_t i = threadIdx.x; i < (in_fragments ? rows : QW); i += blockDim.x) {
