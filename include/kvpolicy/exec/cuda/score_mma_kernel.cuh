@@ -205,6 +205,17 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     }
   }
   const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
+  // The key tile at `pos`; whole tiles, with a constant head dim, by the loader's
+  // test-free path.
+  const auto load_tile = [&](std::uint16_t* to, std::int32_t pos) {
+    if constexpr (HeadDim > 0) {
+      if (pos + mma_key_tile <= n) {
+        loader.template copy_whole<mma_key_tile * (HeadDim / 8) / row_threads>(cache, to, pos);
+        return;
+      }
+    }
+    loader.copy(cache, to, mma_key_tile, min(mma_key_tile, n - pos), pos);
+  };
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
@@ -219,7 +230,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
         // (max, 1 / sum); a row that sees no key gets (0, 0), so its terms are 0, not NaN.
         stat[i] = st.x == ninf ? float2{0.0f, 0.0f} : float2{st.x, 1.0f / st.y};
       }
-    loader.copy(cache, kbase, mma_key_tile, min(mma_key_tile, n), 0);
+    load_tile(kbase, 0);
     cp_async_commit();
     // A key's score from the window partials of every query chunk (chunk order),
     // left in part's buffer `b` by the probability pass over the tile at `tile`.
@@ -242,7 +253,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       if (pass == 1 && in_fragments && tile > 0) finish_scores(tile - mma_key_tile, buf ^ 1);
       const std::int32_t next = tile + mma_key_tile;
       if (next < n) {
-        loader.copy(cache, kbase + (buf ^ 1) * tile_elems, mma_key_tile, min(mma_key_tile, n - next), next);
+        load_tile(kbase + (buf ^ 1) * tile_elems, next);
         cp_async_commit();
       }
 
