@@ -147,8 +147,10 @@ done
   echo "== gpu_check summary ($(head -n 1 "$BUNDLE/BUILD_INFO"))"
   printf '%s\n' "${SUMMARY[@]}"
 } >"$OUT/summary.txt"
-for f in summary.txt bench/bench.json bench/reference.json bench/reference_fp32.json profile.txt; do
-  [[ -f $OUT/$f ]] && cp "$OUT/$f" "$FINAL/"
+# bench-full's files, or else bench's (both steps name their folder after themselves).
+for f in summary.txt bench_full/bench.json bench_full/reference.json bench_full/reference_fp32.json \
+  bench/bench.json bench/reference.json bench/reference_fp32.json profile.txt; do
+  [[ -f $OUT/$f && ! -f $FINAL/$(basename "$f") ]] && cp "$OUT/$f" "$FINAL/"
 done
 tar -czf "$FINAL/gpu_check.tgz" -C "$(dirname "$OUT")" gpu_check
 echo
