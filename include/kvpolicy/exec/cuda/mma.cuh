@@ -148,17 +148,18 @@ class key_tile_loader {
     block_shift_ = (b & (b - 1)) == 0 ? __ffs(b) - 1 : -1;  // power-of-two blocks: no division per tile
   }
 
-  // Keys [pos0, pos0 + Passes * step) into dst rows [0, Passes * step), every row
-  // real, step the rows one pass of the block covers (blockDim.x / (d / 8)): each
-  // thread's Passes copies with no bound test, after one block-table read (copy()
-  // spends some 90 instructions a warp on a 64-key tile, mostly on tests). Falls back
-  // to copy() where the rows cross a cache block or the threads do not tile a row.
+  // Keys [pos0, pos0 + rows) into dst rows [0, rows), every row real. Where the
+  // threads tile the rows in exactly Passes passes (rows = Passes * blockDim.x /
+  // (d / 8)) inside one cache block, each thread makes its Passes copies after one
+  // block-table read, with no bound test: copy() spends some 90 instructions a warp
+  // on a 64-key tile, most of them on bound tests and address arithmetic. Elsewhere
+  // it is copy().
   template <int Passes>
-  __device__ void copy_whole(const paged_kv_view& c, std::uint16_t* dst, std::int32_t pos0) const {
-    const std::int32_t b = c.block_size, rows = Passes * step_;
+  __device__ void copy_whole(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t pos0) const {
+    const std::int32_t b = c.block_size;
     const std::int32_t blk = block_shift_ >= 0 ? pos0 >> block_shift_ : pos0 / b;
     const std::int32_t slot = pos0 - blk * b;
-    if (!strided_ || slot + rows > b) {
+    if (!strided_ || rows != Passes * step_ || slot + rows > b) {
       copy(c, dst, rows, rows, pos0);
       return;
     }

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
   const auto load_tile = [&](std::uint16_t* to, std::int32_t pos) {
     if constexpr (HeadDim > 0) {
       if (pos + mma_key_tile <= n) {
-        loader.template copy_whole<mma_key_tile * (HeadDim / 8) / row_threads>(cache, to, pos);
+        loader.template copy_whole<mma_key_tile * (HeadDim / 8) / row_threads>(cache, to, mma_key_tile, pos);
         return;
       }
     }
