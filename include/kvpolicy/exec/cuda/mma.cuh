@@ -156,14 +156,12 @@ class key_tile_loader {
   // it is copy().
   template <int Passes>
   __device__ void copy_whole(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t pos0) const {
-    const std::int32_t b = c.block_size;
-    const std::int32_t blk = block_shift_ >= 0 ? pos0 >> block_shift_ : pos0 / b;
-    const std::int32_t slot = pos0 - blk * b;
+    const std::int32_t b = c.block_size, blk = block_of(pos0, b), slot = pos0 - blk * b;
     if (!strided_ || rows != Passes * step_ || slot + rows > b) {
       copy(c, dst, rows, rows, pos0);
       return;
     }
-    const std::byte* src = base_ + blocks_[blk] * block_bytes_ + slot * token_bytes_ + first_offset_;
+    const std::byte* src = first_source(blk, slot);
     std::uint16_t* out = dst + first_out_;
 #pragma unroll
     for (int i = 0; i < Passes; ++i) cp_async_16(out + i * out_step_, src + i * src_step_);
@@ -174,15 +172,13 @@ class key_tile_loader {
   // parameter whose address is kept would be copied to local memory).
   __device__ void copy(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
                        std::int32_t pos0) const {
-    const std::int32_t b = c.block_size;
-    const std::int32_t blk = block_shift_ >= 0 ? pos0 >> block_shift_ : pos0 / b;
-    const std::int32_t slot = pos0 - blk * b;
+    const std::int32_t b = c.block_size, blk = block_of(pos0, b), slot = pos0 - blk * b;
     if (!strided_ || slot + count > b) {
       copy_rows_async(dst, rows, count, c.head_dim, at_, [&](std::int32_t r) { return row(pos0 + r, b); });
       return;
     }
     std::int32_t r = row0_;
-    const std::byte* src = base_ + blocks_[blk] * block_bytes_ + slot * token_bytes_ + first_offset_;
+    const std::byte* src = first_source(blk, slot);
     std::uint16_t* out = dst + first_out_;
     // Unrolled: one loop test and a few adds per copy instead of a dozen instructions.
 #pragma unroll 4
@@ -191,9 +187,17 @@ class key_tile_loader {
   }
 
  private:
+  // The logical cache block of position t (blocks of b tokens).
+  __device__ std::int32_t block_of(std::int32_t t, std::int32_t b) const {
+    return block_shift_ >= 0 ? t >> block_shift_ : t / b;
+  }
+  // This thread's first source byte of a strided tile starting at `slot` of block `blk`.
+  __device__ const std::byte* first_source(std::int32_t blk, std::int32_t slot) const {
+    return base_ + blocks_[blk] * block_bytes_ + slot * token_bytes_ + first_offset_;
+  }
   // First byte of the key at logical position t (c.k_row with the layer and head folded in).
   __device__ const std::byte* row(std::int32_t t, std::int32_t b) const {
-    const std::int32_t blk = block_shift_ >= 0 ? t >> block_shift_ : t / b;
+    const std::int32_t blk = block_of(t, b);
     return base_ + blocks_[blk] * block_bytes_ + (t - blk * b) * token_bytes_;
   }
 
