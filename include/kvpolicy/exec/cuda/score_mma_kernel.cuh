@@ -30,13 +30,15 @@ __device__ inline float exp2_ftz(float x) {
 
 // Softmax statistics are (max, sum of 2^(z - max)) in log2 units; a set of logits
 // whose max is -inf is empty. rescaled_sum: a set's sum relative to a max m >= its own.
+// (Flushing factors below 2^-126 to zero changes a sum, which is at least 1, by
+// less than its rounding.)
 __device__ inline float rescaled_sum(float2 st, float m) {
-  return st.x == -__builtin_huge_valf() ? 0.0f : st.y * exp2f(st.x - m);
+  return st.x == -__builtin_huge_valf() ? 0.0f : st.y * exp2_ftz(st.x - m);
 }
 // Running statistics `run` joined by a nonempty set of max m and sum `sum`.
 __device__ inline float2 merge_nonempty(float2 run, float m, float sum) {
   const float m_new = fmaxf(run.x, m);
-  return {m_new, rescaled_sum(run, m_new) + sum * exp2f(m - m_new)};
+  return {m_new, rescaled_sum(run, m_new) + sum * exp2_ftz(m - m_new)};
 }
 
 // Keys per tile of the tensor-core scorer.
@@ -116,9 +118,10 @@ struct query_order {
 // (one chunk). Per key the lane turns its 8 logits into probabilities, reduces them
 // over each GQA group and its 8 / G window positions, and the quad adds its four
 // lanes' sums: the chunk's window sum for the key, in every lane of the quad.
+// The lane's positions are pj0 + pl, pl < 8 / G.
 template <int G, AttentionScorer S>
-__device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], const std::int32_t (&pj)[8],
-                                         std::int32_t w_end, std::int32_t t) {
+__device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], std::int32_t pj0, std::int32_t w_end,
+                                         std::int32_t t) {
   float win = 0.0f;
 #pragma unroll
   for (int pl = 0; pl < 8 / G; ++pl) {
@@ -127,7 +130,7 @@ __device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], const
     for (int g = 1; g < G; ++g) gv = s.group == group_reduce::max ? fmaxf(gv, pr[pl * G + g]) : gv + pr[pl * G + g];
     if (s.group == group_reduce::mean) gv *= 1.0f / static_cast<float>(G);  // exact: G is a power of two
     // Padding positions (past the window) and non-contributing pairs add nothing.
-    if (pj[pl * G] < w_end && s.contributes(pj[pl * G], t)) win += gv;
+    if (pj0 + pl < w_end && s.contributes(pj0 + pl, t)) win += gv;
   }
   win += __shfl_xor_sync(0xffffffffu, win, 1);
   win += __shfl_xor_sync(0xffffffffu, win, 2);
@@ -282,32 +285,38 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
         // is position (q0 + (lane % 4) * 8 + sl) / G; the first two terms are
         // multiples of 8, so of G).
         float2 st[8];
-        std::int32_t pj[8];
         const std::int32_t pj0 = T - w + ((q0 + (lane % 4) * 8) >> order.g_shift);
 #pragma unroll
-        for (int sl = 0; sl < 8; ++sl) {
-          st[sl] = stat[q0 + query_order::row_of_slot(sl, lane % 4)];
-          pj[sl] = pj0 + (sl >> order.g_shift);
-        }
+        for (int sl = 0; sl < 8; ++sl) st[sl] = stat[q0 + query_order::row_of_slot(sl, lane % 4)];
+        // One body per G and mask state: the mask tested per element, or G per key
+        // row, took a third of the body's instructions in branches.
+        const auto probabilities = [&]<int Gc, bool Masked>() {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const std::int32_t t = tile + key0 + lane / 4 + h * 8;
+            float pr[8];
+#pragma unroll
+            for (int sl = 0; sl < 8; ++sl) {
+              float z = acc[sl / 2][h * 2 + sl % 2];
+              if constexpr (Masked) z = t < n && s.visible(pj0 + sl / Gc, t) ? z : ninf;
+              pr[sl] = s.transform(exp2_ftz(fmaf(z, scale, -st[sl].x)) * st[sl].y);
+            }
+            const float win = chunk_window_sum<Gc>(s, pr, pj0, T, t);
+            if (lane % 4 == 0) chunk_part[key0 + lane / 4 + h * 8] = win;
+          }
+        };
         const bool plain = tile + mma_key_tile <= plain_end;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const std::int32_t t = tile + key0 + lane / 4 + h * 8;
-          float pr[8];
-#pragma unroll
-          for (int sl = 0; sl < 8; ++sl) {
-            float z = acc[sl / 2][h * 2 + sl % 2];
-            if (!plain) z = t < n && s.visible(pj[sl], t) ? z : ninf;
-            pr[sl] = s.transform(exp2_ftz(fmaf(z, scale, -st[sl].x)) * st[sl].y);
-          }
-          float win = 0.0f;
-          switch (G) {
-            case 1: win = chunk_window_sum<1>(s, pr, pj, T, t); break;
-            case 2: win = chunk_window_sum<2>(s, pr, pj, T, t); break;
-            case 4: win = chunk_window_sum<4>(s, pr, pj, T, t); break;
-            default: win = chunk_window_sum<8>(s, pr, pj, T, t); break;
-          }
-          if (lane % 4 == 0) chunk_part[key0 + lane / 4 + h * 8] = win;
+        const auto masked_or_not = [&]<int Gc>() {
+          if (plain)
+            probabilities.template operator()<Gc, false>();
+          else
+            probabilities.template operator()<Gc, true>();
+        };
+        switch (G) {
+          case 1: masked_or_not.template operator()<1>(); break;
+          case 2: masked_or_not.template operator()<2>(); break;
+          case 4: masked_or_not.template operator()<4>(); break;
+          default: masked_or_not.template operator()<8>(); break;
         }
       }
       // Logits of the tile: warps take (16 queries x 32 keys) pieces.
@@ -331,12 +340,13 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
         // row's max subtracted (max commutes with the positive scale).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const std::int32_t qi = m0 + lane / 4 + h * 8, j = order.position(qi), pj = T - w + j;
+          const std::int32_t qi = m0 + lane / 4 + h * 8;
           float z[8];
           if (tile + mma_key_tile <= plain_end) {
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) z[2 * nt] = acc[nt][h * 2], z[2 * nt + 1] = acc[nt][h * 2 + 1];
           } else {
+            const std::int32_t j = order.position(qi), pj = T - w + j;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
               const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
