@@ -15,19 +15,30 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-// Tokens per chunk such that the chunk's K and V rows fit in `smem_bytes`.
+// Chunks staged at once: one chunk's rows are written while the next one's are read.
+inline constexpr int compact_stages = 2;
+
+// Tokens per chunk such that compact_stages chunks' K and V rows fit in `smem_bytes`.
 KVP_HOST_DEVICE constexpr std::int32_t compact_chunk(std::int64_t row_bytes, std::size_t smem_bytes) {
-  const auto fit = static_cast<std::int64_t>(smem_bytes) / (2 * row_bytes);
+  const auto fit = static_cast<std::int64_t>(smem_bytes) / (compact_stages * 2 * row_bytes);
   return static_cast<std::int32_t>(fit < row_threads ? fit : row_threads);
+}
+// Dynamic shared memory of compact_kernel for chunks of `chunk` tokens.
+KVP_HOST_DEVICE constexpr std::size_t compact_staging_bytes(std::int32_t chunk, std::int64_t row_bytes) {
+  return static_cast<std::size_t>(compact_stages) * static_cast<std::size_t>(chunk) * 2 *
+         static_cast<std::size_t>(row_bytes);
 }
 
 // Destinations never pass their sources (the i-th kept token goes to position
-// i <= t), so a chunk's sources are read whole into shared memory before any of
-// its rows is written, and chunks run front to back: a chunk only overwrites
-// positions whose tokens were already read. Rows whose position does not change
-// are neither read nor written. Reads are cp.async (every row of the chunk in
-// flight at once); each warp moves one token's K and V rows at a time. `ready_in`:
-// null to wait for the whole epilogue grid first, or its row hand-off flags.
+// i <= t), so chunk c writes only positions below chunk c + 1, and a chunk may
+// overwrite positions of chunks before it, whose rows were already read. Chunks are
+// therefore read one ahead: chunk c + 1's rows are in flight (cp.async, every row
+// of the chunk at once) while chunk c's are written, from the other stage of
+// shared memory; chunk c + 1 is written only after chunk c's reads completed.
+// Rows whose position does not change are neither read nor written. Each warp
+// moves one token's K and V rows at a time; F moves through the registers of the
+// thread that found the token. `ready_in`: null to wait for the whole epilogue grid
+// first, or its row hand-off flags.
 template <class P>
 __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
                                                               const std::uint8_t* keep, std::int32_t chunk,
@@ -35,14 +46,12 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   using scan = cub::BlockScan<std::int32_t, row_threads>;
   extern __shared__ uint4 smem16[];
   __shared__ typename scan::TempStorage scan_tmp;
-  // Per moving token of the chunk (by its kept index): its rows and F, or null.
+  // Per moving token of a chunk (by its kept index): its source rows (needed only
+  // to start the reads) and, per stage, its destination rows; null when it stays.
   __shared__ const uint4* src_k[row_threads];
   __shared__ const uint4* src_v[row_threads];
-  __shared__ uint4* dst_k[row_threads];
-  __shared__ uint4* dst_v[row_threads];
-  __shared__ float* src_f[row_threads];
-  __shared__ float* dst_f[row_threads];
-  __shared__ std::int32_t chunk_kept;
+  __shared__ uint4* dst_k[compact_stages][row_threads];
+  __shared__ uint4* dst_v[compact_stages][row_threads];
   const last_block_waits_at_exit in_order;
   if (!ready_in) wait_for_prerequisites();  // the keep mask and F
   if (failed(rs)) return;
@@ -54,48 +63,71 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16);
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const bool with_f = !f.empty();
+  const std::size_t stage_vecs = 2 * std::size_t(chunk) * vecs;
 
-  std::int32_t written = 0;  // kept tokens before this chunk
-  for (std::int32_t c0 = 0; c0 < T; c0 += chunk) {
+  // Finds chunk c0's kept tokens (the first of them kept index `written`), records
+  // their rows for `stage` and starts reading the moving ones into it (one cp.async
+  // group). Returns the chunk's kept count; the calling thread's token, if it moves
+  // and F moves with it, leaves its F value and destination in f_val and f_dst.
+  const auto gather = [&](std::int32_t c0, int stage, std::int32_t written, float& f_val, float*& f_dst) {
     const std::int32_t t = c0 + static_cast<std::int32_t>(threadIdx.x);
     const std::int32_t flag = (threadIdx.x < static_cast<unsigned>(chunk) && t < T) ? keep[row * rs.max_tokens + t] : 0;
     std::int32_t before = 0, total = 0;
     scan(scan_tmp).ExclusiveSum(flag, before, total);
+    f_dst = nullptr;
     if (flag) {
       const std::int32_t dst = p.layout.destination(written + before);
       const bool moves = dst != t;
       src_k[before] = moves ? reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head)) : nullptr;
       src_v[before] = moves ? reinterpret_cast<const uint4*>(cache.v_row(rc.layer, it.seq, t, rc.head)) : nullptr;
-      dst_k[before] = moves ? reinterpret_cast<uint4*>(cache.k_row(rc.layer, it.seq, dst, rc.head)) : nullptr;
-      dst_v[before] = moves ? reinterpret_cast<uint4*>(cache.v_row(rc.layer, it.seq, dst, rc.head)) : nullptr;
-      src_f[before] = moves && with_f ? &f.at(rc.layer, cache.physical_block(it.seq, t), t % b, rc.head) : nullptr;
-      dst_f[before] = moves && with_f ? &f.at(rc.layer, cache.physical_block(it.seq, dst), dst % b, rc.head) : nullptr;
+      dst_k[stage][before] = moves ? reinterpret_cast<uint4*>(cache.k_row(rc.layer, it.seq, dst, rc.head)) : nullptr;
+      dst_v[stage][before] = moves ? reinterpret_cast<uint4*>(cache.v_row(rc.layer, it.seq, dst, rc.head)) : nullptr;
+      if (moves && with_f) {
+        f_val = f.at(rc.layer, cache.physical_block(it.seq, t), t % b, rc.head);
+        f_dst = &f.at(rc.layer, cache.physical_block(it.seq, dst), dst % b, rc.head);
+      }
     }
-    if (threadIdx.x == 0) chunk_kept = total;
     __syncthreads();
-    const std::int32_t kept = chunk_kept;
-
-    // Read every moving row of the chunk (K then V of kept index k at 2k, 2k + 1).
-    for (std::int32_t k = warp; k < kept; k += warps) {
+    // K then V of kept index k at 2k, 2k + 1 of the stage.
+    uint4* staged = smem16 + stage * stage_vecs;
+    for (std::int32_t k = warp; k < total; k += warps) {
       if (!src_k[k]) continue;
-      uint4* stage = smem16 + 2 * std::size_t(k) * vecs;
+      uint4* to = staged + 2 * std::size_t(k) * vecs;
       for (std::int32_t v = lane; v < 2 * vecs; v += 32)
-        cp_async_16(stage + v, v < vecs ? src_k[k] + v : src_v[k] + (v - vecs), 16);
+        cp_async_16(to + v, v < vecs ? src_k[k] + v : src_v[k] + (v - vecs), 16);
     }
     cp_async_commit();
-    float moved_f = 0.0f;
-    if (threadIdx.x < static_cast<unsigned>(kept) && src_f[threadIdx.x]) moved_f = *src_f[threadIdx.x];
-    cp_async_wait<0>();
-    __syncthreads();
-    // Then write them to their destinations.
-    for (std::int32_t k = warp; k < kept; k += warps) {
-      if (!dst_k[k]) continue;
-      const uint4* stage = smem16 + 2 * std::size_t(k) * vecs;
-      for (std::int32_t v = lane; v < 2 * vecs; v += 32) (v < vecs ? dst_k[k][v] : dst_v[k][v - vecs]) = stage[v];
+    return total;
+  };
+
+  if (T <= 0) return;
+  float f_val = 0.0f, f_next_val = 0.0f;
+  float *f_dst = nullptr, *f_next_dst = nullptr;
+  std::int32_t written = 0;  // kept tokens before chunk c0
+  std::int32_t kept_next = gather(0, 0, 0, f_next_val, f_next_dst);
+  int stage = 0;
+  for (std::int32_t c0 = 0; c0 < T; c0 += chunk, stage ^= 1) {
+    const std::int32_t kept = kept_next;
+    f_val = f_next_val;
+    f_dst = f_next_dst;
+    if (c0 + chunk < T) {
+      kept_next = gather(c0 + chunk, stage ^ 1, written + kept, f_next_val, f_next_dst);
+      cp_async_wait<1>();  // this chunk's group; the next one's stays in flight
+    } else {
+      cp_async_wait<0>();
     }
-    if (threadIdx.x < static_cast<unsigned>(kept) && dst_f[threadIdx.x]) *dst_f[threadIdx.x] = moved_f;
-    written += kept;
     __syncthreads();
+    const uint4* staged = smem16 + stage * stage_vecs;
+    for (std::int32_t k = warp; k < kept; k += warps) {
+      uint4* const to_k = dst_k[stage][k];
+      if (!to_k) continue;
+      uint4* const to_v = dst_v[stage][k];
+      const uint4* from = staged + 2 * std::size_t(k) * vecs;
+      for (std::int32_t v = lane; v < 2 * vecs; v += 32) (v < vecs ? to_k[v] : to_v[v - vecs]) = from[v];
+    }
+    if (f_dst) *f_dst = f_val;
+    written += kept;
+    __syncthreads();  // the stage and its destinations are free for chunk c0 + 2 chunk
   }
 }
 
