@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();
-  inverse_norms_16<Elem>(keys, inv, count, d, at, p.redundancy.eps);
+  inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
 
   for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
