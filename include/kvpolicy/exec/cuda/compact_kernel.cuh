@@ -29,16 +29,40 @@ KVP_HOST_DEVICE constexpr std::size_t compact_staging_bytes(std::int32_t chunk, 
          static_cast<std::size_t>(row_bytes);
 }
 
+// Calls fn(i, k, side, v) for this thread's share of the 16-byte slots of `kept`
+// tokens' rows: 2 * vecs per token, K (side 0) then V (side 1), slot i = (2 k + side)
+// * vecs + v, which is also its place in a stage. Consecutive threads take
+// consecutive slots, so a warp moves whole rows (one token's K and V for 256-byte
+// rows) with one 16-byte access per lane; a warp per token with a loop over its
+// slots spent some 55 instructions per token and side of the copy (Nsight Compute).
+template <class Fn>
+__device__ inline void for_each_slot(std::int32_t kept, std::int32_t vecs, Fn fn) {
+  const std::int32_t per_token = 2 * vecs, slots = kept * per_token, shift = __ffs(per_token) - 1;
+  const auto threads = static_cast<std::int32_t>(blockDim.x);
+  const auto each = [&]<bool Pow2>() {
+#pragma unroll 4
+    for (auto i = static_cast<std::int32_t>(threadIdx.x); i < slots; i += threads) {
+      const std::int32_t k = Pow2 ? i >> shift : i / per_token, r = i - k * per_token, side = r >= vecs;
+      fn(i, k, side, r - side * vecs);
+    }
+  };
+  // A run-time division is some 20 instructions; rows of 2^n bytes take a shift.
+  if ((per_token & (per_token - 1)) == 0)
+    each.template operator()<true>();
+  else
+    each.template operator()<false>();
+}
+
 // Destinations never pass their sources (the i-th kept token goes to position
 // i <= t), so chunk c writes only positions below chunk c + 1, and a chunk may
 // overwrite positions of chunks before it, whose rows were already read. Chunks are
 // therefore read one ahead: chunk c + 1's rows are in flight (cp.async, every row
 // of the chunk at once) while chunk c's are written, from the other stage of
 // shared memory; chunk c + 1 is written only after chunk c's reads completed.
-// Rows whose position does not change are neither read nor written. Each warp
-// moves one token's K and V rows at a time; F moves through the registers of the
-// thread that found the token. `ready_in`: null to wait for the whole epilogue grid
-// first, or its row hand-off flags.
+// Rows whose position does not change are neither read nor written. K and V move
+// by 16-byte slots (for_each_slot), F through the registers of the thread that
+// found the token. `ready_in`: null to wait for the whole epilogue grid first, or
+// its row hand-off flags.
 template <class P>
 __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
                                                               const std::uint8_t* keep, std::int32_t chunk,
@@ -46,12 +70,10 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   using scan = cub::BlockScan<std::int32_t, row_threads>;
   extern __shared__ uint4 smem16[];
   __shared__ typename scan::TempStorage scan_tmp;
-  // Per moving token of a chunk (by its kept index): its source rows (needed only
+  // Per token of a chunk (by its kept index): its source K and V rows (needed only
   // to start the reads) and, per stage, its destination rows; null when it stays.
-  __shared__ const uint4* src_k[row_threads];
-  __shared__ const uint4* src_v[row_threads];
-  __shared__ uint4* dst_k[compact_stages][row_threads];
-  __shared__ uint4* dst_v[compact_stages][row_threads];
+  __shared__ const uint4* src[2][row_threads];
+  __shared__ uint4* dst[compact_stages][2][row_threads];
   const last_block_waits_at_exit in_order;
   if (!ready_in) wait_for_prerequisites();  // the keep mask and F
   if (failed(rs)) return;
@@ -61,7 +83,6 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], b = cache.block_size;
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16);
-  const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const bool with_f = !f.empty();
   const std::size_t stage_vecs = 2 * std::size_t(chunk) * vecs;
 
@@ -76,26 +97,22 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
     scan(scan_tmp).ExclusiveSum(flag, before, total);
     f_dst = nullptr;
     if (flag) {
-      const std::int32_t dst = p.layout.destination(written + before);
-      const bool moves = dst != t;
-      src_k[before] = moves ? reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head)) : nullptr;
-      src_v[before] = moves ? reinterpret_cast<const uint4*>(cache.v_row(rc.layer, it.seq, t, rc.head)) : nullptr;
-      dst_k[stage][before] = moves ? reinterpret_cast<uint4*>(cache.k_row(rc.layer, it.seq, dst, rc.head)) : nullptr;
-      dst_v[stage][before] = moves ? reinterpret_cast<uint4*>(cache.v_row(rc.layer, it.seq, dst, rc.head)) : nullptr;
+      const std::int32_t to = p.layout.destination(written + before);
+      const bool moves = to != t;
+      src[0][before] = moves ? reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head)) : nullptr;
+      src[1][before] = moves ? reinterpret_cast<const uint4*>(cache.v_row(rc.layer, it.seq, t, rc.head)) : nullptr;
+      dst[stage][0][before] = moves ? reinterpret_cast<uint4*>(cache.k_row(rc.layer, it.seq, to, rc.head)) : nullptr;
+      dst[stage][1][before] = moves ? reinterpret_cast<uint4*>(cache.v_row(rc.layer, it.seq, to, rc.head)) : nullptr;
       if (moves && with_f) {
         f_val = f.at(rc.layer, cache.physical_block(it.seq, t), t % b, rc.head);
-        f_dst = &f.at(rc.layer, cache.physical_block(it.seq, dst), dst % b, rc.head);
+        f_dst = &f.at(rc.layer, cache.physical_block(it.seq, to), to % b, rc.head);
       }
     }
     __syncthreads();
-    // K then V of kept index k at 2k, 2k + 1 of the stage.
     uint4* staged = smem16 + stage * stage_vecs;
-    for (std::int32_t k = warp; k < total; k += warps) {
-      if (!src_k[k]) continue;
-      uint4* to = staged + 2 * std::size_t(k) * vecs;
-      for (std::int32_t v = lane; v < 2 * vecs; v += 32)
-        cp_async_16(to + v, v < vecs ? src_k[k] + v : src_v[k] + (v - vecs), 16);
-    }
+    for_each_slot(total, vecs, [&](std::int32_t i, std::int32_t k, std::int32_t side, std::int32_t v) {
+      if (const uint4* from = src[side][k]) cp_async_16(staged + i, from + v);
+    });
     cp_async_commit();
     return total;
   };
@@ -118,13 +135,9 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
     }
     __syncthreads();
     const uint4* staged = smem16 + stage * stage_vecs;
-    for (std::int32_t k = warp; k < kept; k += warps) {
-      uint4* const to_k = dst_k[stage][k];
-      if (!to_k) continue;
-      uint4* const to_v = dst_v[stage][k];
-      const uint4* from = staged + 2 * std::size_t(k) * vecs;
-      for (std::int32_t v = lane; v < 2 * vecs; v += 32) (v < vecs ? to_k[v] : to_v[v - vecs]) = from[v];
-    }
+    for_each_slot(kept, vecs, [&](std::int32_t i, std::int32_t k, std::int32_t side, std::int32_t v) {
+      if (uint4* to = dst[stage][side][k]) to[v] = staged[i];
+    });
     if (f_dst) *f_dst = f_val;
     written += kept;
     __syncthreads();  // the stage and its destinations are free for chunk c0 + 2 chunk
