@@ -267,8 +267,12 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
             const auto smem = cuda::full_mma_smem_bytes(d);
-            with_mma_type(cache, [&]<dtype Elem>() {
-              launch_red(cuda::full_columns_mma_kernel<P, Elem>, tiles, smem, pv, cache, rs, rowsum, newest, newest_c);
+            auto* inv = reinterpret_cast<float*>(ws + plan.inv) + at;
+            const auto key_blocks = static_cast<unsigned>((rs.max_tokens + cuda::row_threads - 1) / cuda::row_threads);
+            with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
+              launch_red(cuda::key_inverse_norms_kernel<P, Elem, HeadDim>, key_blocks, 0, pv, cache, rs, inv);
+              launch_red(cuda::full_columns_mma_kernel<P, Elem, HeadDim>, tiles, smem, pv, cache, rs, inv, rowsum,
+                         newest, newest_c);
             });
           } else {
             const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
@@ -358,7 +362,8 @@ struct cuda_executor {
   }
 
   struct workspace_plan {
-    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, keep = 0, rows_global = 0, ready = 0;
+    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, inv = 0, keep = 0, rows_global = 0;
+    std::size_t ready = 0;
     std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
     // Row hand-off flags: [flag_sets][rows], score -> epilogue and epilogue -> layout.
@@ -388,6 +393,7 @@ struct cuda_executor {
         w.rowsum = take(cells * sizeof(float));
         w.newest = take(cells * sizeof(std::int32_t));
         w.newest_c = take(cells * sizeof(float));
+        w.inv = take(cells * sizeof(float));
       }
     }
     if (!out.keep_masks) w.keep = take(cells);

@@ -1,7 +1,9 @@
 // Full redundancy on tensor cores for f16/bf16 caches: one block per (row, tile of
 // 128 columns u) streams every key tile v of the row through shared memory
 // (cp.async, double-buffered) and keeps, per u, its row sum and newest similar
-// neighbour in registers. O(T) extra memory; full_finish_kernel completes it.
+// neighbour in registers. O(T) extra memory: the keys' inverse norms, computed once
+// per row first (key_inverse_norms_kernel), and the per-u results that
+// full_finish_kernel completes.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +30,39 @@ KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d) {
   return (full_mma_columns + 2 * full_mma_keys) * pitch * 2 + (full_mma_columns + 2 * full_mma_keys) * 4;
 }
 
-template <class P, dtype Elem>
+// Inverse norms of every candidate key of every row, a thread per key summing in
+// element order as the host does (inverse_norms_16). The full kernel's blocks each
+// computed those of every key tile they streamed, a row's norms T / 128 times over,
+// with a quarter of their threads while the rest waited at a barrier. HeadDim: d as a
+// constant, or 0 (as for the other kernels).
+template <class P, dtype Elem, int HeadDim = 0>
+__global__ void __launch_bounds__(row_threads) key_inverse_norms_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                        float* inv_out) {
+  if (failed(rs)) return;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t n = candidate_end(p.scorer, cache.lengths[it.seq]);
+  const std::int32_t t = static_cast<std::int32_t>(blockIdx.y * blockDim.x + threadIdx.x);
+  if (t >= n) return;
+  const auto* key = reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head));
+  float ss = 0.0f;
+#pragma unroll
+  for (std::int32_t v = 0; v < (HeadDim > 0 ? HeadDim : cache.head_dim) / 8; ++v) {
+    float x[8];
+    widen8<Elem>(key[v], x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
+  }
+  inv_out[row * rs.max_tokens + t] = 1.0f / (sqrtf(ss) + p.redundancy.eps);
+}
+
+// HeadDim: d as a constant or 0. A constant unrolls gram_tile's loop: address
+// arithmetic was some 30% of this kernel's 3.1 G warp instructions on gkv/A.
+template <class P, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                       float* rowsum_out, std::int32_t* newest_out,
-                                                                       float* newest_c_out) {
+                                                                       const float* inv, float* rowsum_out,
+                                                                       std::int32_t* newest_out, float* newest_c_out) {
   extern __shared__ uint4 smem16[];
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
@@ -40,9 +71,11 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   const std::int32_t u_pos0 = static_cast<std::int32_t>(blockIdx.y) * full_mma_columns;
   if (u_pos0 >= n) return;
-  const std::int32_t u_count = min(full_mma_columns, n - u_pos0), d = cache.head_dim, pitch = d + 8;
+  const std::int32_t u_count = min(full_mma_columns, n - u_pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
+  const std::int32_t pitch = d + 8;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float theta = p.redundancy.theta, eps = p.redundancy.eps;
+  const float theta = p.redundancy.theta;
+  const float* row_inv = inv + row * rs.max_tokens;
 
   auto* us = reinterpret_cast<std::uint16_t*>(smem16);
   std::uint16_t* vbase = us + std::size_t(full_mma_columns) * pitch;
@@ -54,6 +87,12 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
   loader.copy(cache, us, full_mma_columns, u_count, u_pos0);
   loader.copy(cache, vbase, full_mma_keys, min(full_mma_keys, n), 0);
   cp_async_commit();
+  // Inverse norms of the columns and of the first key tile; a key tile's are read
+  // with the tile before it and stored once that one is done with the buffer.
+  for (std::int32_t i = threadIdx.x; i < full_mma_columns; i += blockDim.x)
+    u_inv[i] = i < u_count ? row_inv[u_pos0 + i] : 0.0f;
+  if (threadIdx.x < static_cast<unsigned>(full_mma_keys))
+    v_inv_base[threadIdx.x] = static_cast<std::int32_t>(threadIdx.x) < n ? row_inv[threadIdx.x] : 0.0f;
 
   const std::int32_t m0 = warp * 16;
   const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
@@ -62,6 +101,8 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
   int buf = 0;
   for (std::int32_t v_pos0 = 0; v_pos0 < n; v_pos0 += full_mma_keys, buf ^= 1) {
     const std::int32_t v_count = min(full_mma_keys, n - v_pos0), next = v_pos0 + full_mma_keys;
+    const std::int32_t j = static_cast<std::int32_t>(threadIdx.x);
+    const float next_inv = j < full_mma_keys && next + j < n ? row_inv[next + j] : 0.0f;
     if (next < n) {
       loader.copy(cache, vbase + (buf ^ 1) * tile_elems, full_mma_keys, min(full_mma_keys, n - next), next);
       cp_async_commit();
@@ -71,19 +112,17 @@ __global__ void __launch_bounds__(row_threads, 3) full_columns_mma_kernel(P p, p
     }
     __syncthreads();
     const std::uint16_t* vs = vbase + buf * tile_elems;
-    float* v_inv = v_inv_base + buf * full_mma_keys;
-    if (v_pos0 == 0) inverse_norms_16<Elem>(us, u_inv, u_count, d, padded_rows{pitch}, eps);
-    inverse_norms_16<Elem>(vs, v_inv, v_count, d, padded_rows{pitch}, eps);
-    __syncthreads();
+    const float* v_inv = v_inv_base + buf * full_mma_keys;
     if (v_pos0 == 0) {
       st.set_rows(u[0] < u_count ? u_inv[u[0]] : 0.0f, u[1] < u_count ? u_inv[u[1]] : 0.0f, theta);
     }
 
     if (m0 < u_count) {
       float acc[8][4] = {};
-      gram_tile<Elem>(acc, us + std::size_t(m0) * pitch, vs, full_mma_keys, d, pitch);
+      gram_tile<Elem, HeadDim>(acc, us + std::size_t(m0) * pitch, vs, full_mma_keys, d, pitch);
       fold_tile(st, acc, v_inv, v_pos0, v_count, u_pos0 + m0 - v_pos0, theta);
     }
+    if (j < full_mma_keys) v_inv_base[(buf ^ 1) * full_mma_keys + j] = next_inv;  // the other buffer: free
     __syncthreads();  // the next iteration's copy overwrites this tile
   }
 #pragma unroll

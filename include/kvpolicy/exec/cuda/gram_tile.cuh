@@ -18,14 +18,16 @@ inline constexpr int gram_tile_columns = 64;
 
 // acc = A B^T for the 16 rows at `a` and the first min(64, b_rows) rows at `b` (both
 // 16-bit, pitch `pitch` elements, d a multiple of 16); columns past b_rows stay 0 and
-// their rows of `b` are never read.
-template <dtype Elem>
+// their rows of `b` are never read. HeadDim: d as a constant (the loop unrolled, its
+// offsets folded into the loads), or 0.
+template <dtype Elem, int HeadDim = 0>
 __device__ inline void gram_tile(float (&acc)[8][4], const std::uint16_t* a, const std::uint16_t* b,
                                  std::int32_t b_rows, std::int32_t d, std::int32_t pitch) {
   const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
   const std::uint16_t* a_lane = a + std::size_t(lane % 16) * pitch + (lane / 16) * 8;
   const std::uint16_t* b_lane = b + std::size_t(lane % 8 + (lane / 16) * 8) * pitch + ((lane / 8) % 2) * 8;
-  for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
+#pragma unroll
+  for (std::int32_t k0 = 0; k0 < (HeadDim > 0 ? HeadDim : d); k0 += 16) {
     std::uint32_t af[4];
     ldmatrix_x4(af, a_lane + k0);
 #pragma unroll
