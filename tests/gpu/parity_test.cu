@@ -218,12 +218,7 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
 // 96 bytes here) by division, which the random configurations never reach.
 TEST_CASE("parity: rows whose size is not a power of two") {
   parity_report rep;
-  case_config cfg;
-  cfg.layers = 2;
-  cfg.block_size = 64;
-  cfg.kv_heads = 2;
-  cfg.q_heads = 8;
-  cfg.lengths = {4 * 64, 3 * 64 + 17, 200};
+  case_config cfg{.layers = 2, .block_size = 64, .kv_heads = 2, .q_heads = 8, .lengths = {4 * 64, 3 * 64 + 17, 200}};
   const std::vector<kvp::batch_item> items{{0, 0, 3 * 64, 0}, {1, 1, 2 * 64, 2 * 64}};
   for (const auto& [d, type] : {std::pair{96, kvp::dtype::bf16}, std::pair{24, kvp::dtype::f32}}) {
     cfg.head_dim = d;

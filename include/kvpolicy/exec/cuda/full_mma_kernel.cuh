@@ -30,8 +30,8 @@ KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d) {
   return (full_mma_columns + 2 * full_mma_keys) * pitch * 2 + (full_mma_columns + 2 * full_mma_keys) * 4;
 }
 
-// Inverse norms of every candidate key of every row, a thread per key summing in
-// element order as the host does (inverse_norms_16). The full kernel's blocks each
+// Inverse norms of every candidate key of every row, a thread per key
+// (inverse_norm_16, the host's summation order). The full kernel's blocks each
 // computed those of every key tile they streamed, a row's norms T / 128 times over,
 // with a quarter of their threads while the rest waited at a barrier. HeadDim: d as a
 // constant, or 0 (as for the other kernels).
@@ -46,15 +46,8 @@ __global__ void __launch_bounds__(row_threads) key_inverse_norms_kernel(P p, pag
   const std::int32_t t = static_cast<std::int32_t>(blockIdx.y * blockDim.x + threadIdx.x);
   if (t >= n) return;
   const auto* key = reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head));
-  float ss = 0.0f;
-#pragma unroll
-  for (std::int32_t v = 0; v < (HeadDim > 0 ? HeadDim : cache.head_dim) / 8; ++v) {
-    float x[8];
-    widen8<Elem>(key[v], x);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
-  }
-  inv_out[row * rs.max_tokens + t] = 1.0f / (sqrtf(ss) + p.redundancy.eps);
+  inv_out[row * rs.max_tokens + t] =
+      inverse_norm_16<Elem, HeadDim>([&](std::int32_t v) { return key[v]; }, cache.head_dim, p.redundancy.eps);
 }
 
 // HeadDim: d as a constant or 0. A constant unrolls gram_tile's loop: address

@@ -227,29 +227,37 @@ __device__ inline void widen8(const uint4& raw, float (&x)[8]) {
   }
 }
 
-// Inverse norms of `count` rows of 16-bit keys in shared memory (laid out by `at`),
-// a thread per row summing in element order as the host does; rows [count,
-// round16(count)) get 0. 8 adjacent rows' chunks are on distinct banks in both layouts.
+// 1 / (||k|| + eps) of one key of d 16-bit elements, its 16-byte chunk v being
+// chunk(v), summed in element order as the host does (so the bits agree).
 // HeadDim: d as a constant (unrolled, offsets folded into the loads), or 0.
+template <dtype Elem, int HeadDim = 0, class Chunk>
+__device__ inline float inverse_norm_16(Chunk chunk, std::int32_t d, float eps) {
+  float ss = 0.0f;
+  const auto add_chunk = [&](std::int32_t v) {
+    float x[8];
+    widen8<Elem>(chunk(v), x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
+  };
+  if constexpr (HeadDim > 0) {
+#pragma unroll
+    for (std::int32_t v = 0; v < HeadDim / 8; ++v) add_chunk(v);
+  } else {
+    for (std::int32_t v = 0; v < d / 8; ++v) add_chunk(v);
+  }
+  return 1.0f / (sqrtf(ss) + eps);
+}
+
+// Inverse norms of `count` rows of 16-bit keys in shared memory (laid out by `at`),
+// a thread per row; rows [count, round16(count)) get 0. 8 adjacent rows' chunks are
+// on distinct banks in both layouts.
 template <dtype Elem, int HeadDim = 0, class Layout>
 __device__ inline void inverse_norms_16(const std::uint16_t* keys, float* inv, std::int32_t count, std::int32_t d,
                                         Layout at, float eps) {
   const std::int32_t rows = (count + 15) / 16 * 16;
-  const auto add_chunk = [&](float& ss, std::int32_t r, std::int32_t v) {
-    float x[8];
-    widen8<Elem>(*reinterpret_cast<const uint4*>(keys + at(r, v)), x);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
-  };
   for (auto r = static_cast<std::int32_t>(threadIdx.x); r < rows; r += static_cast<std::int32_t>(blockDim.x)) {
-    float ss = 0.0f;
-    if constexpr (HeadDim > 0) {
-#pragma unroll
-      for (std::int32_t v = 0; v < HeadDim / 8; ++v) add_chunk(ss, r, v);
-    } else {
-      for (std::int32_t v = 0; v < d / 8; ++v) add_chunk(ss, r, v);
-    }
-    inv[r] = r < count ? 1.0f / (sqrtf(ss) + eps) : 0.0f;
+    const auto chunk = [&](std::int32_t v) { return *reinterpret_cast<const uint4*>(keys + at(r, v)); };
+    inv[r] = r < count ? inverse_norm_16<Elem, HeadDim>(chunk, d, eps) : 0.0f;
   }
 }
 
