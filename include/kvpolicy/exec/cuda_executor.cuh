@@ -108,7 +108,7 @@ struct cuda_executor {
     const layer_range layers = resolve_layers(compression_batch{{}, batch.layer_begin, batch.layer_count}, cache);
     require(batch.num_items >= 0, "batch.num_items", "is {}; must not be negative", batch.num_items);
     require(batch.max_tokens > 0, "batch.max_tokens", "is {}; must be positive", batch.max_tokens);
-    check_device_shapes(pv, cache, queries, batch);
+    check_device_shapes(pv, cache, queries, batch, layers);
     if (overlap_stream) {
       require(overlap_events != nullptr, "overlap_events", "is a null pointer while overlap_stream is set");
       require(overlap_groups >= 1, "overlap_groups", "is {}; must be at least 1 when overlap_stream is set",
@@ -264,20 +264,23 @@ struct cuda_executor {
           auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum) + at;
           auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
           auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
+          // A block per (row, column tile) on a flat grid, a row's tiles adjacent.
+          const auto launch_row_tiles = [&](auto kernel, std::int32_t tile, std::size_t smem, auto... args) {
+            launch(on.redundancy, false, kernel, rows * static_cast<unsigned>(cuda::tiles_per_row(rs.max_tokens, tile)), 1,
+                   smem, args...);
+          };
           if (mma_keys(cache)) {
-            const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_mma_columns - 1) / cuda::full_mma_columns);
             const auto smem = cuda::full_mma_smem_bytes(d);
             auto* inv = reinterpret_cast<float*>(ws + plan.inv) + at;
-            const auto key_blocks = static_cast<unsigned>((rs.max_tokens + cuda::row_threads - 1) / cuda::row_threads);
+            const auto key_blocks = static_cast<unsigned>(cuda::tiles_per_row(rs.max_tokens, cuda::row_threads));
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
               launch_red(cuda::key_inverse_norms_kernel<P, Elem, HeadDim>, key_blocks, 0, pv, cache, rs, inv);
-              launch_red(cuda::full_columns_mma_kernel<P, Elem, HeadDim>, tiles, smem, pv, cache, rs, inv, rowsum,
-                         newest, newest_c);
+              launch_row_tiles(cuda::full_columns_mma_kernel<P, Elem, HeadDim>, cuda::full_mma_columns, smem, pv, cache,
+                               rs, inv, rowsum, newest, newest_c);
             });
           } else {
-            const auto tiles = static_cast<unsigned>((rs.max_tokens + cuda::full_tile - 1) / cuda::full_tile);
-            launch_red(cuda::full_columns_kernel<P>, tiles, cuda::full_smem_floats(d) * sizeof(float), pv, cache, rs, rowsum,
-                      newest, newest_c);
+            launch_row_tiles(cuda::full_columns_kernel<P>, cuda::full_tile, cuda::full_smem_floats(d) * sizeof(float), pv,
+                             cache, rs, rowsum, newest, newest_c);
           }
           launch_red(cuda::full_finish_kernel<P>, 1, std::size_t(rs.max_tokens) * sizeof(float), pv, cache, rs, rowsum,
                     newest, newest_c, red_buf);
@@ -412,7 +415,7 @@ struct cuda_executor {
   // per-row working sets that fit in shared memory.
   template <class P>
   void check_device_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
-                                  const device_batch& batch) const {
+                                  const device_batch& batch, const layer_range& layers) const {
     const std::int64_t row = cache.row_bytes();
     require(row % 16 == 0, "cache.head_dim", "is {}; the CUDA executor moves rows of a multiple of 16 bytes ({} here)",
             cache.head_dim, row);
@@ -462,6 +465,12 @@ struct cuda_executor {
         require(std::size_t(batch.max_tokens) * sizeof(float) <= limit, "batch.max_tokens",
                 "is {}; full redundancy gathers a row's dropped similarities in {} bytes of shared memory",
                 batch.max_tokens, limit);
+        // The column kernels' flat grid: rows x tiles blocks in gridDim.x.
+        const std::int64_t blocks = std::int64_t{batch.num_items} * (layers.end - layers.begin) * cache.num_kv_heads *
+                                    cuda::tiles_per_row(batch.max_tokens, std::min(cuda::full_tile, cuda::full_mma_columns));
+        require(blocks <= 2147483647, "batch.num_items",
+                "is {}; full redundancy over rows of {} tokens would launch {} blocks, more than a grid holds",
+                batch.num_items, batch.max_tokens, blocks);
       }
       if constexpr (P::redundancy_type::pairs == redundancy::scope::block) {
         const std::size_t need = mma_keys(cache) ? cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim)

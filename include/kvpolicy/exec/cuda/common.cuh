@@ -54,6 +54,22 @@ __device__ inline row_coord decode_row(const row_space& rs, std::uint32_t r) {
           static_cast<std::int32_t>(mod_by(r, heads))};
 }
 
+// A flat grid over (row, tile of a row): a row's tiles are adjacent blocks, so the
+// blocks that stream one row's keys run at the same time and find them in L2. (A grid
+// of rows x tiles in y schedules every row's first tile before any second one: the
+// full redundancy kernel, 18 blocks per row on configuration A, read its keys from
+// DRAM 18 times, 2 of 3 L2 lookups missing.)
+KVP_HOST_DEVICE constexpr std::int32_t tiles_per_row(std::int32_t max_tokens, std::int32_t tile) {
+  return (max_tokens + tile - 1) / tile;
+}
+struct row_tile {
+  std::uint32_t row, tile;
+};
+__device__ inline row_tile decode_row_tile(std::int32_t tiles) {
+  const auto t = static_cast<std::uint32_t>(tiles);
+  return {blockIdx.x / t, blockIdx.x % t};
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with it may start while
 // the kernel before it in the stream still runs, once every block of that one has
 // called allow_dependents (or ended). It must call wait_for_prerequisites, which

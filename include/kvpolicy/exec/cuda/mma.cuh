@@ -167,6 +167,19 @@ class key_tile_loader {
     for (int i = 0; i < Passes; ++i) cp_async_16(out + i * out_step_, src + i * src_step_);
   }
 
+  // A tile of Rows keys from pos0 on, the first `count` of them real: whole tiles of
+  // a constant head dim (HeadDim > 0) by copy_whole, the others by copy().
+  template <int Rows, int HeadDim>
+  __device__ void copy_tile(const paged_kv_view& c, std::uint16_t* dst, std::int32_t count, std::int32_t pos0) const {
+    if constexpr (HeadDim > 0) {
+      if (count >= Rows) {
+        copy_whole<Rows * (HeadDim / 8) / row_threads>(c, dst, Rows, pos0);
+        return;
+      }
+    }
+    copy(c, dst, Rows, count < Rows ? count : Rows, pos0);
+  }
+
   // Keys [pos0, pos0 + count) into dst rows [0, count); rows [count, rows) get zeros.
   // `c` is the view the loader was made for (passed again, not stored: a kernel
   // parameter whose address is kept would be copied to local memory).

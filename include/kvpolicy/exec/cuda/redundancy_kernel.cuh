@@ -176,19 +176,21 @@ KVP_HOST_DEVICE constexpr std::size_t full_smem_floats(std::int32_t d) {
   return 2 * std::size_t(full_tile) * (std::size_t(d) + 4) + 2 * full_tile;
 }
 
-// Full scope, first half: one block per (row, tile of 64 columns u) streams every key
-// tile v and writes, per u, its row sum and newest similar neighbour. O(T) memory.
+// Full scope, first half: one block per (row, tile of 64 columns u), on a flat grid
+// (decode_row_tile), streams every key tile v and writes, per u, its row sum and
+// newest similar neighbour. O(T) memory.
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv_view cache, row_space rs,
                                                                    float* rowsum_out, std::int32_t* newest_out,
                                                                    float* newest_c_out) {
   extern __shared__ float4 smem4[];
   if (failed(rs)) return;
-  const std::int64_t row = blockIdx.x;
-  const row_coord rc = decode_row(rs, row);
+  const row_tile rt = decode_row_tile(tiles_per_row(rs.max_tokens, full_tile));
+  const std::int64_t row = rt.row;
+  const row_coord rc = decode_row(rs, rt.row);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  const std::int32_t u_pos0 = static_cast<std::int32_t>(blockIdx.y) * full_tile;
+  const auto u_pos0 = static_cast<std::int32_t>(rt.tile) * full_tile;
   if (u_pos0 >= n) return;
   const std::int32_t u_count = min(full_tile, n - u_pos0), d = cache.head_dim, pitch = d + 4;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;

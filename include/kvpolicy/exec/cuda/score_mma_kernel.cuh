@@ -208,16 +208,10 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     }
   }
   const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
-  // The key tile at `pos`; whole tiles, with a constant head dim, by the loader's
-  // test-free path.
+  // The key tile at `pos` (whole tiles of a constant head dim by the loader's
+  // test-free path).
   const auto load_tile = [&](std::uint16_t* to, std::int32_t pos) {
-    if constexpr (HeadDim > 0) {
-      if (pos + mma_key_tile <= n) {
-        loader.template copy_whole<mma_key_tile * (HeadDim / 8) / row_threads>(cache, to, mma_key_tile, pos);
-        return;
-      }
-    }
-    loader.copy(cache, to, mma_key_tile, min(mma_key_tile, n - pos), pos);
+    loader.template copy_tile<mma_key_tile, HeadDim>(cache, to, n - pos, pos);
   };
   for (int pass = 0; pass < 2; ++pass) {
     __syncthreads();

@@ -115,11 +115,12 @@ __device__ inline void wgmma_gram_steps(float (&acc)[N / 8][4], const wgmma_desc
 __device__ inline std::int32_t warp_uniform(std::int32_t v) { return __shfl_sync(0xffffffffu, v, 0); }
 
 // acc = A B^T over d (a multiple of 16) for the 64 rows at `a` and the N rows at `b`
-// (both in core_matrices layout for this d): issued by a whole warpgroup, waited
-// for here. Each warp gets its 16 rows of A against all N columns.
+// (both in core_matrices layout for this d), issued by a whole warpgroup and left
+// running: acc must not be touched until wgmma_gram_wait. Each warp gets its 16
+// rows of A against all N columns.
 template <dtype Elem, int N>
-__device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
-                                  std::int32_t d) {
+__device__ inline void wgmma_gram_issue(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
+                                        std::int32_t d) {
   const wgmma_descriptor da(a, d), db(b, d);
   wgmma_fence_operands(acc);
   // Unrolled: in a loop with a run-time count, ptxas waits for each MMA before
@@ -135,10 +136,21 @@ __device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a
       for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64xNx16<Elem, N>(acc, da.at(k), db.at(k), k > 0);
       wgmma_commit();
   }
+}
+// Waits for the warpgroup's MMAs issued by wgmma_gram_issue.
+template <int Tiles>
+__device__ inline void wgmma_gram_wait(float (&acc)[Tiles][4]) {
 #if KVP_CUDA_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
   wgmma_fence_operands(acc);
+}
+// Both: the Gram tile, complete.
+template <dtype Elem, int N>
+__device__ inline void wgmma_gram(float (&acc)[N / 8][4], const std::uint16_t* a, const std::uint16_t* b,
+                                  std::int32_t d) {
+  wgmma_gram_issue<Elem, N>(acc, a, b, d);
+  wgmma_gram_wait(acc);
 }
 
 }  // namespace cuda
