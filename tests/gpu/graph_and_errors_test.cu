@@ -163,6 +163,18 @@ TEST_CASE("malformed shapes throw before any launch") {
   overlap_error({.overlap_stream = side, .overlap_events = fork_join, .overlap_groups = 0}, "overlap_groups");
   overlap_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
   cudaStreamDestroy(side);
+  // Full redundancy launches a block per (row, 64-key tile) in one grid dimension:
+  // a batch that would need more blocks than it holds is refused, naming the count.
+  auto huge = out.batch;
+  huge.num_items = 1 << 28;
+  try {
+    (void)kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::gkv{}, dev.cache, dev.queries, dev.scores, huge,
+                                        out.result);
+    FAIL("compress() did not throw for a grid of too many blocks");
+  } catch (const kvp::error& e) {
+    CHECK(e.field() == "batch.num_items");
+    MESSAGE(std::string(e.what()));
+  }
   auto no_f = dev.scores;
   no_f.base = nullptr;
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, no_f,
