@@ -214,3 +214,29 @@ TEST_CASE("redundancy: full and lightning match the reference on random keys") {
   }
   CHECK(checked > 300);
 }
+
+TEST_CASE("redundancy: full, 128-dim bf16 keys over several tiles, near-duplicates near and far") {
+  // The shape of the device's tensor-core kernel (16-bit keys, d 128, rows of 128-key
+  // tiles), which meets each pair once: a key's newest neighbour is found from the
+  // key's own tile when it is newer, from the neighbour's tile (a column of its Gram
+  // tile) when it is 128 or more keys older. Every fifth key copies one 1 to 400 keys
+  // older, with noise; a small tau makes one wrong neighbour visible in R (a dropped
+  // similarity of ~0.9 moves red / tau by ~0.9 / n / 0.01).
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const int T : {200, 640}) {
+    test_cache tc({.block_size = 64, .head_dim = 128, .type = kvp::dtype::bf16, .lengths = {T},
+                   .seed = static_cast<std::uint32_t>(T)});
+    for (int t = 5; t < T; t += 5) {
+      auto k = tc.key(0, 0, std::max(0, t - 1 - static_cast<int>(rng() % 400)), 0);
+      for (float& x : k) x += 0.05f * u(rng);
+      tc.set_key(0, 0, t, 0, k);
+    }
+    const auto keys = tc.keys(0, 0, 0);
+    ref::redundancy_params rp;
+    rp.tau = 0.01;
+    REQUIRE(ref::theta_margin(keys, T, 128, rp) > 1e-3);
+    CAPTURE(T);
+    check_vec(redundancy_of(red::full{.tau = 0.01f}, tc), ref::redundancy(keys, T, 128, rp), 1e-3);
+  }
+}

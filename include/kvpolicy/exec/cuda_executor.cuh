@@ -118,7 +118,7 @@ struct cuda_executor {
 
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
                        batch.max_tokens, out.status};
-    const auto plan = plan_workspace<P>(rs, out, !rows_fit_in_shared_memory(batch.max_tokens));
+    const auto plan = plan_workspace<P>(rs, cache.head_dim, out, !rows_fit_in_shared_memory(batch.max_tokens));
     if (temp == nullptr) {
       temp_bytes = plan.total;
       return cudaSuccess;
@@ -264,6 +264,7 @@ struct cuda_executor {
           auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum) + at;
           auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
           auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
+          unsigned long long* packed = nullptr;  // the tensor-core path's newest neighbours
           // A block per (row, column tile) on a flat grid, a row's tiles adjacent.
           const auto launch_row_tiles = [&](auto kernel, std::int32_t tile, std::size_t smem, auto... args) {
             launch(on.redundancy, false, kernel, rows * static_cast<unsigned>(cuda::tiles_per_row(rs.max_tokens, tile)), 1,
@@ -272,18 +273,21 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto smem = cuda::full_mma_smem_bytes(d);
             auto* inv = reinterpret_cast<float*>(ws + plan.inv) + at;
-            const auto key_blocks = static_cast<unsigned>(cuda::tiles_per_row(rs.max_tokens, cuda::row_threads));
+            const auto spans = cuda::tiles_per_row(rs.max_tokens, cuda::key_sum_span);
+            auto* key_sums = reinterpret_cast<float*>(ws + plan.key_sums) + row0 * spans * d;
+            packed = reinterpret_cast<unsigned long long*>(ws + plan.packed) + at;
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch_red(cuda::key_inverse_norms_kernel<P, Elem, HeadDim>, key_blocks, 0, pv, cache, rs, inv);
-              launch_row_tiles(cuda::full_columns_mma_kernel<P, Elem, HeadDim>, cuda::full_mma_columns, smem, pv, cache,
-                               rs, inv, rowsum, newest, newest_c);
+              launch_red(cuda::key_inverse_norms_kernel<P, Elem, HeadDim>, static_cast<unsigned>(spans), 0, pv, cache, rs,
+                         inv, key_sums, packed);
+              launch_row_tiles(cuda::full_pairs_mma_kernel<P, Elem, HeadDim>, cuda::full_mma_columns, smem, pv, cache, rs,
+                               inv, key_sums, rowsum, packed);
             });
           } else {
             launch_row_tiles(cuda::full_columns_kernel<P>, cuda::full_tile, cuda::full_smem_floats(d) * sizeof(float), pv,
                              cache, rs, rowsum, newest, newest_c);
           }
           launch_red(cuda::full_finish_kernel<P>, 1, std::size_t(rs.max_tokens) * sizeof(float), pv, cache, rs, rowsum,
-                    newest, newest_c, red_buf);
+                    newest, newest_c, static_cast<const unsigned long long*>(packed), red_buf);
         }
       }
     };
@@ -365,7 +369,8 @@ struct cuda_executor {
   }
 
   struct workspace_plan {
-    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, inv = 0, keep = 0, rows_global = 0;
+    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, inv = 0, key_sums = 0, packed = 0, keep = 0,
+                rows_global = 0;
     std::size_t ready = 0;
     std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
@@ -379,7 +384,8 @@ struct cuda_executor {
   }
 
   template <class P>
-  static workspace_plan plan_workspace(const cuda::row_space& rs, const device_result& out, bool rows_global) {
+  static workspace_plan plan_workspace(const cuda::row_space& rs, std::int32_t head_dim, const device_result& out,
+                                       bool rows_global) {
     const std::size_t cells = static_cast<std::size_t>(rs.rows()) * static_cast<std::size_t>(rs.max_tokens);
     workspace_plan w;
     w.rows = rs.rows();
@@ -396,7 +402,12 @@ struct cuda_executor {
         w.rowsum = take(cells * sizeof(float));
         w.newest = take(cells * sizeof(std::int32_t));
         w.newest_c = take(cells * sizeof(float));
+        // The tensor-core path's inverse norms, partial key sums ([rows][spans of
+        // key_sum_span keys][d]) and packed newest neighbours.
         w.inv = take(cells * sizeof(float));
+        w.key_sums = take(static_cast<std::size_t>(rs.rows()) * cuda::tiles_per_row(rs.max_tokens, cuda::key_sum_span) *
+                          static_cast<std::size_t>(head_dim) * sizeof(float));
+        w.packed = take(cells * sizeof(unsigned long long));
       }
     }
     if (!out.keep_masks) w.keep = take(cells);

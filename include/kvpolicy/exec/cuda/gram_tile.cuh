@@ -116,6 +116,58 @@ __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)
   }
 }
 
+// The full kernel's fold (full_pairs_mma_kernel): only which elements of a lane's two
+// rows are over theta, as one bit mask per row (bit 2 nt + e: column
+// mask_column(bit)), in the fold modes above. An element costs a multiply, a compare
+// and a predicated bit set; the row sums come from the keys' sum instead, and the few
+// elements over theta are read again afterwards (masked_similarity).
+template <fold_mode Mode, int Tiles>
+__device__ inline void over_theta(std::uint32_t (&mask)[2], const float (&acc)[Tiles][4], const float* col_inv,
+                                  const float (&over)[2], std::int32_t cols, const std::int32_t (&diag)[2]) {
+  static_assert(Tiles <= 16, "two columns of each fragment tile in one 32-bit mask");
+  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+  const std::int32_t diag_tile = (diag[0] - lane / 4) / 8, diag_elem = lane / 4 - (lane % 4) * 2;
+#pragma unroll
+  for (int nt = 0; nt < Tiles; ++nt) {
+    const std::int32_t c = nt * 8 + (lane % 4) * 2;
+    float ci[2];
+    if constexpr (Mode == fold_mode::checked) {
+      ci[0] = c < cols ? col_inv[c] : 0.0f;
+      ci[1] = c + 1 < cols ? col_inv[c + 1] : 0.0f;
+    } else {
+      const float2 pair = *reinterpret_cast<const float2*>(col_inv + c);
+      ci[0] = pair.x;
+      ci[1] = pair.y;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (Mode == fold_mode::checked) {
+          if (c + e >= cols || c + e == diag[h]) continue;
+        }
+        float weight = ci[e];
+        if constexpr (Mode == fold_mode::diagonal) weight = nt == diag_tile + h && e == diag_elem ? 0.0f : weight;
+        if (acc[nt][h * 2 + e] * weight > over[h]) mask[h] |= 1u << (nt * 2 + e);
+      }
+  }
+}
+
+// The tile column of mask bit `bit` in this lane.
+__device__ inline std::int32_t mask_column(std::int32_t bit) {
+  return (bit >> 1) * 8 + static_cast<std::int32_t>(threadIdx.x % 4) * 2 + (bit & 1);
+}
+
+// x = acc * inv_v of the lane's element `bit` of row h (an unrolled select: a run-time
+// index into acc would put it in local memory).
+template <int Tiles>
+__device__ inline float masked_similarity(const float (&acc)[Tiles][4], const float* col_inv, int h, std::int32_t bit) {
+  float a = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2 * Tiles; ++k) a = k == bit ? acc[k / 2][h * 2 + k % 2] : a;
+  return a * col_inv[mask_column(bit)];
+}
+
 // Folds a warp's 16-row tile of Tiles * 8 columns whose rows start row_off columns
 // into it (a multiple of 16: the tile holds the diagonal when 0 <= row_off < its
 // width) and whose first `cols` columns are real, at positions col_pos0 on: by the
@@ -132,6 +184,21 @@ __device__ inline void fold_tile(similarity_rows& st, const float (&acc)[Tiles][
     fold_similarities<fold_mode::diagonal>(st, acc, col_inv, col_pos0, cols, diag);
   else
     fold_similarities<fold_mode::whole>(st, acc, col_inv, col_pos0, cols, diag);
+}
+
+// over_theta by the cheapest exact fold_mode, as fold_tile chooses it.
+template <int Tiles>
+__device__ inline void over_theta_tile(std::uint32_t (&mask)[2], const float (&acc)[Tiles][4], const float* col_inv,
+                                       const float (&over)[2], std::int32_t cols, std::int32_t row_off, float theta) {
+  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+  const std::int32_t diag[2] = {row_off + lane / 4, row_off + lane / 4 + 8};
+  const bool diagonal = row_off >= 0 && row_off < Tiles * 8;
+  if (cols < Tiles * 8 || (diagonal && theta < 0.0f))
+    over_theta<fold_mode::checked>(mask, acc, col_inv, over, cols, diag);
+  else if (diagonal)
+    over_theta<fold_mode::diagonal>(mask, acc, col_inv, over, cols, diag);
+  else
+    over_theta<fold_mode::whole>(mask, acc, col_inv, over, cols, diag);
 }
 
 }  // namespace cuda

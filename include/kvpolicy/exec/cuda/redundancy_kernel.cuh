@@ -248,11 +248,14 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 }
 
 // Full scope, second half: one block per row subtracts each u's dropped similarity
-// from its newest neighbour, in u order.
+// from its newest neighbour, in u order. `packed`: null, or the newest neighbours as
+// the tensor-core kernel leaves them (pack_newest: position + 1 above the
+// similarity's bits), which are unpacked into newest and newest_c first.
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                  const float* rowsum, const std::int32_t* newest,
-                                                                  const float* newest_c, float* red_out) {
+                                                                  const float* rowsum, std::int32_t* newest,
+                                                                  float* newest_c, const unsigned long long* packed,
+                                                                  float* red_out) {
   extern __shared__ float4 smem4[];
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
@@ -261,7 +264,14 @@ __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   float* drop = reinterpret_cast<float*>(smem4);
   const std::int64_t base = row * rs.max_tokens;
-  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) drop[t] = rowsum[base + t];
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
+    drop[t] = rowsum[base + t];
+    if (packed) {
+      const unsigned long long w = packed[base + t];
+      newest[base + t] = static_cast<std::int32_t>(w >> 32) - 1;
+      newest_c[base + t] = __uint_as_float(static_cast<unsigned>(w));
+    }
+  }
   __syncthreads();
   if (threadIdx.x < 32) subtract_dropped(drop, newest + base, newest_c + base, n, 0);
   __syncthreads();
