@@ -1,7 +1,7 @@
-// One warp's 16 x 64 tile of a key Gram matrix on tensor cores, and its fold into
-// the redundancy state of the tile's 16 rows: the sum of cosine similarities and
-// the newest column over theta (R-KV sec. 3.3; Zipage C.5 and C.7). Shared by the
-// lightning (one cache block) and the full (all pairs) redundancy kernels.
+// One warp's 16 x 64 tile of a key Gram matrix on tensor cores, and its folds into
+// the redundancy state of the tile's 16 rows (R-KV sec. 3.3; Zipage C.5 and C.7):
+// the sum of cosine similarities and the newest column over theta (lightning, one
+// cache block), or the elements over theta alone (full, each pair once).
 #pragma once
 
 #include <cstdint>
@@ -70,19 +70,20 @@ struct similarity_rows {
 // column real, the diagonal among them (diagonal); or column by column (checked).
 enum class fold_mode { whole, diagonal, checked };
 
-// Folds a Gram tile into `st`: x = acc * inv_v (C = x * inv_u; see similarity_rows).
-// `checked` skips columns >= cols and the diagonal (column diag[h] is row h itself).
-// `diagonal` gives the diagonal the weight 0 instead of a test per column: x = 0
-// adds nothing to a row sum (s + 0 = s) and, with theta >= 0, names no neighbour, so
-// the result is that of leaving it out. Row lane / 4 + 8 h meets itself in column
-// diag[h] = row_off + lane / 4 + 8 h (row_off a multiple of 8): fragment tile
-// row_off / 8 + h, element lane / 4 - (lane % 4) * 2 when that is 0 or 1. (Zeroing
-// those accumulators instead would make ptxas serialise the wgmma pipeline.) A
-// lane meets its columns in increasing order, so the last column over theta is the
-// newest.
-template <fold_mode Mode, int Tiles>
-__device__ inline void fold_similarities(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
-                                         std::int32_t col_pos0, std::int32_t cols, const std::int32_t (&diag)[2]) {
+// Calls f(bit, col, h, x) for each element of a lane's two rows of a Gram tile that a
+// fold takes: bit 2 nt + e, tile column col (nt * 8 + (lane % 4) * 2 + e), row half
+// h, x = acc * inv_v (C = x * inv_u). `checked` skips columns >= cols and the
+// diagonal (column diag[h] is row h itself). `diagonal` gives the diagonal the weight
+// 0 instead of a test per column: x = 0 adds nothing to a row sum (s + 0 = s) and,
+// with theta >= 0, is not over theta, so the result is that of leaving it out. Row
+// lane / 4 + 8 h meets itself in column diag[h] = row_off + lane / 4 + 8 h (row_off a
+// multiple of 8): fragment tile row_off / 8 + h, element lane / 4 - (lane % 4) * 2
+// when that is 0 or 1. (Zeroing those accumulators instead would make ptxas
+// serialise the wgmma pipeline.) A lane meets its columns in increasing order, so
+// the last column over theta is the newest.
+template <fold_mode Mode, int Tiles, class F>
+__device__ inline void for_each_similarity(const float (&acc)[Tiles][4], const float* col_inv, std::int32_t cols,
+                                           const std::int32_t (&diag)[2], F&& f) {
   const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
   const std::int32_t diag_tile = (diag[0] - lane / 4) / 8, diag_elem = lane / 4 - (lane % 4) * 2;
 #pragma unroll
@@ -106,51 +107,36 @@ __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)
         }
         float weight = ci[e];
         if constexpr (Mode == fold_mode::diagonal) weight = nt == diag_tile + h && e == diag_elem ? 0.0f : weight;
-        const float x = acc[nt][h * 2 + e] * weight;
-        st.sum[h] += x;
-        if (x > st.over[h]) {
-          st.near[h] = col_pos0 + c + e;
-          st.near_c[h] = x;
-        }
+        f(nt * 2 + e, c + e, h, acc[nt][h * 2 + e] * weight);
       }
   }
 }
 
+// Folds a Gram tile into `st`: row sums, and the newest column over theta with its x.
+template <fold_mode Mode, int Tiles>
+__device__ inline void fold_similarities(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
+                                         std::int32_t col_pos0, std::int32_t cols, const std::int32_t (&diag)[2]) {
+  for_each_similarity<Mode>(acc, col_inv, cols, diag, [&](int, std::int32_t col, int h, float x) {
+    st.sum[h] += x;
+    if (x > st.over[h]) {
+      st.near[h] = col_pos0 + col;
+      st.near_c[h] = x;
+    }
+  });
+}
+
 // The full kernel's fold (full_pairs_mma_kernel): only which elements of a lane's two
 // rows are over theta, as one bit mask per row (bit 2 nt + e: column
-// mask_column(bit)), in the fold modes above. An element costs a multiply, a compare
-// and a predicated bit set; the row sums come from the keys' sum instead, and the few
-// elements over theta are read again afterwards (masked_similarity).
+// mask_column(bit)). An element costs a multiply, a compare and a predicated bit set;
+// the row sums come from the keys' sum instead, and the few elements over theta are
+// read again afterwards (masked_similarity).
 template <fold_mode Mode, int Tiles>
 __device__ inline void over_theta(std::uint32_t (&mask)[2], const float (&acc)[Tiles][4], const float* col_inv,
                                   const float (&over)[2], std::int32_t cols, const std::int32_t (&diag)[2]) {
   static_assert(Tiles <= 16, "two columns of each fragment tile in one 32-bit mask");
-  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
-  const std::int32_t diag_tile = (diag[0] - lane / 4) / 8, diag_elem = lane / 4 - (lane % 4) * 2;
-#pragma unroll
-  for (int nt = 0; nt < Tiles; ++nt) {
-    const std::int32_t c = nt * 8 + (lane % 4) * 2;
-    float ci[2];
-    if constexpr (Mode == fold_mode::checked) {
-      ci[0] = c < cols ? col_inv[c] : 0.0f;
-      ci[1] = c + 1 < cols ? col_inv[c + 1] : 0.0f;
-    } else {
-      const float2 pair = *reinterpret_cast<const float2*>(col_inv + c);
-      ci[0] = pair.x;
-      ci[1] = pair.y;
-    }
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (Mode == fold_mode::checked) {
-          if (c + e >= cols || c + e == diag[h]) continue;
-        }
-        float weight = ci[e];
-        if constexpr (Mode == fold_mode::diagonal) weight = nt == diag_tile + h && e == diag_elem ? 0.0f : weight;
-        if (acc[nt][h * 2 + e] * weight > over[h]) mask[h] |= 1u << (nt * 2 + e);
-      }
-  }
+  for_each_similarity<Mode>(acc, col_inv, cols, diag, [&](int bit, std::int32_t, int h, float x) {
+    if (x > over[h]) mask[h] |= 1u << bit;
+  });
 }
 
 // The tile column of mask bit `bit` in this lane.
@@ -168,37 +154,40 @@ __device__ inline float masked_similarity(const float (&acc)[Tiles][4], const fl
   return a * col_inv[mask_column(bit)];
 }
 
-// Folds a warp's 16-row tile of Tiles * 8 columns whose rows start row_off columns
-// into it (a multiple of 16: the tile holds the diagonal when 0 <= row_off < its
-// width) and whose first `cols` columns are real, at positions col_pos0 on: by the
-// cheapest fold_mode that is exact.
+// Calls f.template operator()<Mode>(diag) with the cheapest exact fold_mode for a
+// warp's 16-row tile of Tiles * 8 columns whose rows start row_off columns into it (a
+// multiple of 16: the tile holds the diagonal when 0 <= row_off < its width) and
+// whose first `cols` columns are real.
+template <int Tiles, class F>
+__device__ inline void with_fold_mode(std::int32_t cols, std::int32_t row_off, float theta, F&& f) {
+  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
+  const std::int32_t diag[2] = {row_off + lane / 4, row_off + lane / 4 + 8};
+  const bool diagonal = row_off >= 0 && row_off < Tiles * 8;
+  if (cols < Tiles * 8 || (diagonal && theta < 0.0f))
+    f.template operator()<fold_mode::checked>(diag);
+  else if (diagonal)
+    f.template operator()<fold_mode::diagonal>(diag);
+  else
+    f.template operator()<fold_mode::whole>(diag);
+}
+
+// Folds a Gram tile (as with_fold_mode describes it) whose columns sit at positions
+// col_pos0 on into similarity_rows.
 template <int Tiles>
 __device__ inline void fold_tile(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
                                  std::int32_t col_pos0, std::int32_t cols, std::int32_t row_off, float theta) {
-  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
-  const std::int32_t diag[2] = {row_off + lane / 4, row_off + lane / 4 + 8};
-  const bool diagonal = row_off >= 0 && row_off < Tiles * 8;
-  if (cols < Tiles * 8 || (diagonal && theta < 0.0f))
-    fold_similarities<fold_mode::checked>(st, acc, col_inv, col_pos0, cols, diag);
-  else if (diagonal)
-    fold_similarities<fold_mode::diagonal>(st, acc, col_inv, col_pos0, cols, diag);
-  else
-    fold_similarities<fold_mode::whole>(st, acc, col_inv, col_pos0, cols, diag);
+  with_fold_mode<Tiles>(cols, row_off, theta, [&]<fold_mode Mode>(const std::int32_t (&diag)[2]) {
+    fold_similarities<Mode>(st, acc, col_inv, col_pos0, cols, diag);
+  });
 }
 
-// over_theta by the cheapest exact fold_mode, as fold_tile chooses it.
+// over_theta of a Gram tile (as with_fold_mode describes it).
 template <int Tiles>
 __device__ inline void over_theta_tile(std::uint32_t (&mask)[2], const float (&acc)[Tiles][4], const float* col_inv,
                                        const float (&over)[2], std::int32_t cols, std::int32_t row_off, float theta) {
-  const std::int32_t lane = static_cast<std::int32_t>(threadIdx.x) % 32;
-  const std::int32_t diag[2] = {row_off + lane / 4, row_off + lane / 4 + 8};
-  const bool diagonal = row_off >= 0 && row_off < Tiles * 8;
-  if (cols < Tiles * 8 || (diagonal && theta < 0.0f))
-    over_theta<fold_mode::checked>(mask, acc, col_inv, over, cols, diag);
-  else if (diagonal)
-    over_theta<fold_mode::diagonal>(mask, acc, col_inv, over, cols, diag);
-  else
-    over_theta<fold_mode::whole>(mask, acc, col_inv, over, cols, diag);
+  with_fold_mode<Tiles>(cols, row_off, theta, [&]<fold_mode Mode>(const std::int32_t (&diag)[2]) {
+    over_theta<Mode>(mask, acc, col_inv, over, cols, diag);
+  });
 }
 
 }  // namespace cuda
