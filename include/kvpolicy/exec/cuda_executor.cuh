@@ -277,7 +277,7 @@ struct cuda_executor {
             auto* key_sums = reinterpret_cast<float*>(ws + plan.key_sums) + row0 * spans * d;
             packed = reinterpret_cast<unsigned long long*>(ws + plan.packed) + at;
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch_red(cuda::key_inverse_norms_kernel<P, Elem, HeadDim>, static_cast<unsigned>(spans), 0, pv, cache, rs,
+              launch_red(cuda::key_norms_and_sums_kernel<P, Elem, HeadDim>, static_cast<unsigned>(spans), 0, pv, cache, rs,
                          inv, key_sums, packed);
               launch_row_tiles(cuda::full_pairs_mma_kernel<P, Elem, HeadDim>, cuda::full_mma_columns, smem, pv, cache, rs,
                                inv, key_sums, rowsum, packed);

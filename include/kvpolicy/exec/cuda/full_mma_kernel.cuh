@@ -9,7 +9,7 @@
 // similarity), which gives the same result in any order. The row sums of
 // similarities come from the sum of the row's normalised keys, in O(d) per key.
 // O(T d / 256 + T) extra memory: inverse norms, partial key sums and the packed
-// newest neighbours (key_inverse_norms_kernel), which full_finish_kernel completes.
+// newest neighbours (key_norms_and_sums_kernel), which full_finish_kernel completes.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +29,7 @@ namespace cuda {
 
 inline constexpr int full_mma_columns = 16 * (row_threads / 32);  // one 16-row tile per warp
 inline constexpr int full_mma_keys = 64;                           // keys v per streamed tile
-// Keys per partial key sum: those of one block of key_inverse_norms_kernel.
+// Keys per partial key sum: those of one block of key_norms_and_sums_kernel.
 inline constexpr int key_sum_span = row_threads;
 
 // Shared memory, in bytes, enough for either path: the column tile and two key tiles
@@ -53,9 +53,9 @@ __device__ inline unsigned long long pack_newest(std::int32_t pos, float c) {
 // key_sums[row][blockIdx.y][d]; and the packed newest neighbours cleared. HeadDim: d
 // as a constant, or 0 (as for the other kernels).
 template <class P, dtype Elem, int HeadDim = 0>
-__global__ void __launch_bounds__(row_threads) key_inverse_norms_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                        float* inv_out, float* key_sums,
-                                                                        unsigned long long* newest_out) {
+__global__ void __launch_bounds__(row_threads) key_norms_and_sums_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                         float* inv_out, float* key_sums,
+                                                                         unsigned long long* newest_out) {
   __shared__ float inv[key_sum_span];
   __shared__ float part[row_threads * 8];  // [groups][d]: one 8-element chunk per thread
   if (failed(rs)) return;
@@ -132,14 +132,10 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
                                                                      float* rowsum_out, unsigned long long* newest_out) {
   extern __shared__ uint4 smem16[];
   if (failed(rs)) return;
-  const row_tile rt = decode_row_tile(tiles_per_row(rs.max_tokens, full_mma_columns));
-  const std::int64_t row = rt.row;
-  const row_coord rc = decode_row(rs, rt.row);
-  const batch_item it = rs.items[rc.item];
-  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  const auto u_pos0 = static_cast<std::int32_t>(rt.tile) * full_mma_columns;
-  if (u_pos0 >= n) return;
-  const std::int32_t u_count = min(full_mma_columns, n - u_pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
+  const key_tile_block kb = decode_key_tile_block(p, cache, rs, full_mma_columns);
+  if (kb.u_count <= 0) return;
+  const std::int64_t row = kb.row;
+  const std::int32_t n = kb.n, u_pos0 = kb.u_pos0, u_count = kb.u_count, d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float theta = p.redundancy.theta;
   const float* row_inv = inv + row * rs.max_tokens;
@@ -161,7 +157,7 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
   float* v_inv_base = u_inv + full_mma_columns;
   float* key_sum = v_inv_base + 2 * full_mma_keys;  // [d]: the row's sum of inv_t k_t
 
-  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, at);
+  const key_tile_loader loader(cache, kb.rc.layer, kb.it.seq, kb.rc.head, at);
   loader.copy(cache, us, full_mma_columns, u_count, u_pos0);
   loader.template copy_tile<full_mma_keys, HeadDim>(cache, vbase, n - u_pos0, u_pos0);
   cp_async_commit();
@@ -174,7 +170,7 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
     v_inv_base[threadIdx.x] = t < n ? row_inv[t] : 0.0f;
   }
   {
-    // The partial key sums of key_inverse_norms_kernel, in span order.
+    // The partial key sums of key_norms_and_sums_kernel, in span order.
     const float* sums = key_sums + row * tiles_per_row(rs.max_tokens, key_sum_span) * d;
     for (std::int32_t i = threadIdx.x; i < d; i += blockDim.x) {
       float total = 0.0f;

@@ -176,6 +176,25 @@ KVP_HOST_DEVICE constexpr std::size_t full_smem_floats(std::int32_t d) {
   return 2 * std::size_t(full_tile) * (std::size_t(d) + 4) + 2 * full_tile;
 }
 
+// A full-scope block of keys u on the flat grid of (row, tile of `tile` keys)
+// (decode_row_tile): its row, the row's candidate count n, its first key u_pos0 and
+// its key count (0 or less: the tile lies past the candidates).
+struct key_tile_block {
+  std::int64_t row;
+  row_coord rc;
+  batch_item it;
+  std::int32_t n, u_pos0, u_count;
+};
+template <class P>
+__device__ inline key_tile_block decode_key_tile_block(const P& p, const paged_kv_view& cache, const row_space& rs,
+                                                       std::int32_t tile) {
+  const row_tile rt = decode_row_tile(tiles_per_row(rs.max_tokens, tile));
+  const row_coord rc = decode_row(rs, rt.row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t n = candidate_end(p.scorer, cache.lengths[it.seq]), u_pos0 = static_cast<std::int32_t>(rt.tile) * tile;
+  return {rt.row, rc, it, n, u_pos0, min(tile, n - u_pos0)};
+}
+
 // Full scope, first half: one block per (row, tile of 64 columns u), on a flat grid
 // (decode_row_tile), streams every key tile v and writes, per u, its row sum and
 // newest similar neighbour. O(T) memory.
@@ -185,21 +204,17 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
                                                                    float* newest_c_out) {
   extern __shared__ float4 smem4[];
   if (failed(rs)) return;
-  const row_tile rt = decode_row_tile(tiles_per_row(rs.max_tokens, full_tile));
-  const std::int64_t row = rt.row;
-  const row_coord rc = decode_row(rs, rt.row);
-  const batch_item it = rs.items[rc.item];
-  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  const auto u_pos0 = static_cast<std::int32_t>(rt.tile) * full_tile;
-  if (u_pos0 >= n) return;
-  const std::int32_t u_count = min(full_tile, n - u_pos0), d = cache.head_dim, pitch = d + 4;
+  const key_tile_block kb = decode_key_tile_block(p, cache, rs, full_tile);
+  if (kb.u_count <= 0) return;
+  const std::int64_t row = kb.row;
+  const std::int32_t n = kb.n, u_pos0 = kb.u_pos0, u_count = kb.u_count, d = cache.head_dim, pitch = d + 4;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   float* us = reinterpret_cast<float*>(smem4);
   float* vs = us + std::size_t(full_tile) * pitch;
   float* u_inv = vs + std::size_t(full_tile) * pitch;
   float* v_inv = u_inv + full_tile;
-  auto k_row = [&](std::int32_t pos) { return cache.k_row(rc.layer, it.seq, pos, rc.head); };
+  auto k_row = [&](std::int32_t pos) { return cache.k_row(kb.rc.layer, kb.it.seq, pos, kb.rc.head); };
   load_rows(us, u_count, d, pitch, cache.type, [&](std::int32_t r) { return k_row(u_pos0 + r); });
   __syncthreads();
   inverse_norms(us, u_inv, u_count, d, pitch, p.redundancy.eps);
