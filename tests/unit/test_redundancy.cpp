@@ -2,7 +2,9 @@
 // with d = 2 keys, and the full / lightning forms against an independent reference.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <vector>
 
 #include "support/reference.hpp"
@@ -249,5 +251,44 @@ TEST_CASE("redundancy: full, 128-dim bf16 keys over several tiles, families of n
     REQUIRE(ref::theta_margin(keys, T, 128, rp) > 1e-3);
     CAPTURE(T);
     check_vec(redundancy_of(red::full{.tau = 0.01f}, tc), ref::redundancy(keys, T, 128, rp), 1e-3);
+  }
+}
+
+TEST_CASE("redundancy: lightning, 128-dim bf16 keys in blocks of 256, families of near-duplicates") {
+  // The shape of the device's tensor-core kernel: a block's four 64-key tiles, each
+  // pair of keys met once (tiles on and above the diagonal), a key's newest neighbour
+  // found as a column of an older tile's rows or from its own rows. Families of six
+  // near-copies at random positions inside each cache block (blocks of 256, 44 and
+  // 128 keys at T 300 and 640), tau 0.01: one wrong neighbour moves R well past 1e-3.
+  for (const int T : {300, 640}) {
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    test_cache tc({.block_size = 256, .head_dim = 128, .type = kvp::dtype::bf16, .lengths = {T},
+                   .seed = static_cast<std::uint32_t>(T + 1)});
+    std::vector<bool> used(static_cast<std::size_t>(T), false);
+    for (int start = 0; start < T; start += 256) {
+      const int span = std::min(256, T - start);
+      const auto fresh = [&] {
+        int p = 0;
+        do p = start + static_cast<int>(rng() % static_cast<unsigned>(span)); while (used[static_cast<std::size_t>(p)]);
+        used[static_cast<std::size_t>(p)] = true;
+        return p;
+      };
+      for (int family = 0; family < std::max(1, span / 48); ++family) {
+        const auto base = tc.key(0, 0, fresh(), 0);
+        for (int copy = 0; copy < 5; ++copy) {
+          auto k = base;
+          for (float& x : k) x += 0.05f * u(rng);
+          tc.set_key(0, 0, fresh(), 0, k);
+        }
+      }
+    }
+    const auto keys = tc.keys(0, 0, 0);
+    ref::redundancy_params rp;
+    rp.tau = 0.01;
+    rp.block = 256;
+    REQUIRE(ref::theta_margin(keys, T, 128, rp) > 1e-3);
+    CAPTURE(T);
+    check_vec(redundancy_of(red::lightning{.tau = 0.01f}, tc), ref::redundancy(keys, T, 128, rp), 1e-3);
   }
 }
