@@ -234,7 +234,17 @@ struct cuda_executor {
         if (mma_scores(cache, queries)) {
           const auto smem = cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim,
                                                            cuda::reduces_in_fragments(pv.scorer.group, G));
+          // wgmma for constant head dims where the query rows fill warpgroup tiles (the
+          // kernel is the mma.sync one on targets other than sm_90a).
+          const bool wgmma = cuda::score_wgmma_fits(pv.scorer.group, pv.scorer.window, G);
           with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
+            if constexpr (HeadDim > 0) {
+              if (wgmma) {
+                launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim, true>, 1, smem, pv.scorer, cache,
+                             queries, rs, score_buf, score_ready);
+                return;
+              }
+            }
             launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, 1, smem, pv.scorer, cache, queries, rs,
                          score_buf, score_ready);
           });

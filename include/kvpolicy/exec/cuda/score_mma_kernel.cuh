@@ -8,12 +8,14 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
+#include "kvpolicy/exec/cuda/wgmma.cuh"
 #include "kvpolicy/pipeline/concepts.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -143,10 +145,24 @@ __device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], std::
 // fits four too.
 inline constexpr int score_blocks_per_sm = 4;
 
+// Whether the score kernel's MMAs run on wgmma: the reduces in the fragments (so
+// every pass takes 64-row warpgroup tiles: queries by 64 in the statistics pass, keys
+// by 64 against 32-query chunks in the probability pass), whole 64-row tiles of
+// queries, and at least two of them. With one (w G = 64, configuration A) the kernel
+// measured slower on wgmma, score 0.49 -> 0.70 ms: each warpgroup then has one
+// 64 x 32 tile per key tile and pass, and its four warps wait for one another at
+// every MMA. With two (snapkv, w 32, G 4) it is faster, snapkv A end to end 1.60 ->
+// 1.55 ms.
+KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t w, std::int32_t G) {
+  return reduces_in_fragments(group, G) && round32(w * G) % 64 == 0 && round32(w * G) >= 128;
+}
+
 // HeadDim: the head dim as a constant (the executor builds 64 and 128 so), or 0 to
 // read it at run time. A constant unrolls the MMA loops whole, so ldmatrix loads run
 // ahead of the MMAs that wait on them (configuration A, d 128: 0.540 -> 0.521 ms).
-template <AttentionScorer S, dtype Elem, int HeadDim = 0>
+// Wgmma: the MMAs on wgmma, queries and keys in core matrices (sm_90a; the executor
+// sets it where score_wgmma_fits; elsewhere the kernel is the mma.sync one).
+template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
 __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
                                std::int32_t* ready_out) {
@@ -172,12 +188,21 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
   const query_order order{in_fragments, G, (G & (G - 1)) == 0 ? __ffs(G) - 1 : -1};
   const float ninf = -__builtin_huge_valf();
   const float scale = 1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f;
+  constexpr bool use_wgmma = Wgmma && KVP_CUDA_WGMMA;
+  using Layout = std::conditional_t<use_wgmma, core_matrices, padded_rows>;
+  const Layout at = [&] {
+    if constexpr (use_wgmma)
+      return core_matrices{d};
+    else
+      return padded_rows{pitch};
+  }();
+  if (use_wgmma && !score_wgmma_fits(s.group, w, G)) __trap();  // the executor's choice
 
   auto* qs = reinterpret_cast<std::uint16_t*>(smem16);
   // Two key tiles; buffer i starts at kbase + i * tile_elems (no array: a run-time
   // index into one would put it in local memory).
-  std::uint16_t* kbase = qs + std::size_t(rows) * pitch;
-  const std::size_t tile_elems = std::size_t(mma_key_tile) * pitch;
+  std::uint16_t* kbase = qs + at(rows, 0);
+  const std::size_t tile_elems = at(mma_key_tile, 0);
   auto* zs = reinterpret_cast<float*>(kbase + 2 * tile_elems);
   // Logits are kept in log2 units (z * log2 e) so that exp is one exp2.
   auto* stat = reinterpret_cast<float2*>(zs + (in_fragments ? 0 : std::size_t(rows) * zp));
@@ -191,8 +216,9 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     uint4 val{0, 0, 0, 0};
     if (j < w)
       val = reinterpret_cast<const uint4*>(q.row(rc.layer, it.query_slot, q.window - w + j, rc.head * G + order.head(r)))[v];
-    *reinterpret_cast<uint4*>(qs + std::size_t(r) * pitch + v * 8) = val;
+    *reinterpret_cast<uint4*>(qs + at(r, v)) = val;
   }
+  if constexpr (use_wgmma) fence_async_shared();  // the queries, before wgmma reads them
   for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
     stat[i] = {ninf, 0.0f};
     half_stat[2 * i] = half_stat[2 * i + 1] = {ninf, 0.0f};
@@ -207,7 +233,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       for (std::int32_t j = 0; j < w; ++j) plain_end = min(plain_end, s.visible_end(T - w + j));
     }
   }
-  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, padded_rows{pitch});
+  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, at);
   // The key tile at `pos` (whole tiles of a constant head dim by the loader's
   // test-free path).
   const auto load_tile = [&](std::uint16_t* to, std::int32_t pos) {
@@ -246,6 +272,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       // with the other buffer, which the next tile's copy then overwrites; with the
       // reduces in the fragments it also completes the previous tile's window partials.
       cp_async_wait<0>();
+      if constexpr (use_wgmma) fence_async_shared();
       __syncthreads();
       if (pass == 1 && in_fragments && tile > 0) finish_scores(tile - mma_key_tile, buf ^ 1);
       const std::int32_t next = tile + mma_key_tile;
@@ -262,17 +289,24 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       for (std::int32_t piece = warp; pass == 1 && in_fragments && piece < (rows / 32) * 4; piece += warps) {
         const std::int32_t key0 = (piece % 4) * 16, chunk = piece / 4, q0 = chunk * 32;
         float* chunk_part = part + (buf * (rows / 32) + chunk) * mma_key_tile;
-        float acc[4][4] = {};
+        float acc[4][4];
+        if constexpr (use_wgmma) {
+          // The warpgroup's 64 keys x its chunk (piece = warp + 8 k: key0 = 16 (warp % 4)).
+          wgmma_gram<Elem, 32>(acc, kb, qs + at(q0, 0), d);
+        } else {
 #pragma unroll
-        for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
-          std::uint32_t a[4];
-          ldmatrix_x4(a, kb + std::size_t(key0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+          for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 #pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            std::uint32_t b[4];
-            ldmatrix_x4(b, qs + std::size_t(q0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
-            mma_16816<Elem>(acc[np * 2], a, b[0], b[1]);
-            mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
+          for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
+            std::uint32_t a[4];
+            ldmatrix_x4(a, kb + std::size_t(key0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              std::uint32_t b[4];
+              ldmatrix_x4(b, qs + std::size_t(q0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
+              mma_16816<Elem>(acc[np * 2], a, b[0], b[1]);
+              mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
+            }
           }
         }
         // The lane's 8 query columns: their statistics and window positions (slot sl
@@ -315,18 +349,27 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       }
       // Logits of the tile: warps take (16 queries x 32 keys) pieces.
       for (std::int32_t piece = warp; !(pass == 1 && in_fragments) && piece < (rows / 16) * 2; piece += warps) {
-        const std::int32_t m0 = (piece / 2) * 16, n0 = (piece % 2) * 32;
-        float acc[4][4] = {};
+        // On wgmma a warpgroup takes 64 queries x 32 keys (piece = warp + 8 k: the
+        // k-th 64 queries, 16 of them per warp, and the warpgroup's half of the keys).
+        const std::int32_t m0 = use_wgmma ? (piece / 8) * 64 + (piece % 4) * 16 : (piece / 2) * 16;
+        const std::int32_t n0 = use_wgmma ? (piece / 4) % 2 * 32 : (piece % 2) * 32;
+        float acc[4][4];
+        if constexpr (use_wgmma) {
+          wgmma_gram<Elem, 32>(acc, qs + at((piece / 8) * 64, 0), kb + at(n0, 0), d);
+        } else {
 #pragma unroll
-        for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
-          std::uint32_t a[4];
-          ldmatrix_x4(a, qs + std::size_t(m0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+          for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 #pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            std::uint32_t b[4];
-            ldmatrix_x4(b, kb + std::size_t(n0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
-            mma_16816<Elem>(acc[np * 2], a, b[0], b[1]);
-            mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
+          for (std::int32_t k0 = 0; k0 < d; k0 += 16) {
+            std::uint32_t a[4];
+            ldmatrix_x4(a, qs + std::size_t(m0 + lane % 16) * pitch + k0 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              std::uint32_t b[4];
+              ldmatrix_x4(b, kb + std::size_t(n0 + np * 16 + lane % 8 + (lane / 16) * 8) * pitch + k0 + ((lane / 8) % 2) * 8);
+              mma_16816<Elem>(acc[np * 2], a, b[0], b[1]);
+              mma_16816<Elem>(acc[np * 2 + 1], a, b[2], b[3]);
+            }
           }
         }
         // The thread's two query rows and their window positions, once per piece.
@@ -368,7 +411,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
             e += __shfl_xor_sync(0xffffffffu, e, 1);
             e += __shfl_xor_sync(0xffffffffu, e, 2);
             if (lane % 4 == 0 && m != ninf) {
-              float2& run = half_stat[2 * qi + piece % 2];
+              float2& run = half_stat[2 * qi + n0 / 32];
               run = merge_nonempty(run, ms, e);
             }
           } else {

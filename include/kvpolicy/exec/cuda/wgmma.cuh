@@ -1,4 +1,4 @@
-// Hopper warpgroup MMA (wgmma, sm_90a): 64 x 64 x 16 tiles with fp32 accumulators
+// Hopper warpgroup MMA (wgmma, sm_90a): 64 x 64 x 16 and 64 x 32 x 16 tiles with fp32 accumulators
 // on f16/bf16 operands read straight from shared memory in the core_matrices layout
 // (mma.cuh). Four warps issue it together and it runs asynchronously, so no
 // ldmatrix is spent on operands. Device code compiled for any other target gets
@@ -60,7 +60,7 @@ __device__ inline void fence_async_shared() {
 #define KVP_WGMMA_OUT8(c, i)                                                                             \
   "+f"(c[i]), "+f"(c[i + 1]), "+f"(c[i + 2]), "+f"(c[i + 3]), "+f"(c[i + 4]), "+f"(c[i + 5]), "+f"(c[i + 6]), \
       "+f"(c[i + 7])
-// One m64n64k16 instruction; TYPE is the PTX name of both operands' type.
+// One m64n64k16 / m64n32k16 instruction; TYPE is the PTX name of both operands' type.
 #define KVP_WGMMA_64X64X16(TYPE, c, desc_a, desc_b, scale_d)                                                    \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                       \
@@ -68,18 +68,32 @@ __device__ inline void fence_async_shared() {
                "%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                     \
                : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8), KVP_WGMMA_OUT8(c, 16), KVP_WGMMA_OUT8(c, 24)       \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+#define KVP_WGMMA_64X32X16(TYPE, c, desc_a, desc_b, scale_d)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                   \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                       \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"        \
+               : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)                                                     \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 template <dtype T, int N>
 __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_a, std::uint64_t desc_b,
                                      bool accumulate) {
   static_assert(T == dtype::bf16 || T == dtype::f16);
-  static_assert(N == 64, "the 64-column tile is the one instantiated and tested");
+  static_assert(N == 64 || N == 32, "the 64- and 32-column tiles are the ones instantiated and tested");
 #if KVP_CUDA_WGMMA
   float* c = &acc[0][0];
   const int scale_d = accumulate;
-  if constexpr (T == dtype::bf16) {
-    KVP_WGMMA_64X64X16("bf16", c, desc_a, desc_b, scale_d);
+  if constexpr (N == 64) {
+    if constexpr (T == dtype::bf16) {
+      KVP_WGMMA_64X64X16("bf16", c, desc_a, desc_b, scale_d);
+    } else {
+      KVP_WGMMA_64X64X16("f16", c, desc_a, desc_b, scale_d);
+    }
   } else {
-    KVP_WGMMA_64X64X16("f16", c, desc_a, desc_b, scale_d);
+    if constexpr (T == dtype::bf16) {
+      KVP_WGMMA_64X32X16("bf16", c, desc_a, desc_b, scale_d);
+    } else {
+      KVP_WGMMA_64X32X16("f16", c, desc_a, desc_b, scale_d);
+    }
   }
 #else
   (void)acc, (void)desc_a, (void)desc_b, (void)accumulate;
@@ -87,6 +101,7 @@ __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_
 #endif
 }
 #undef KVP_WGMMA_64X64X16
+#undef KVP_WGMMA_64X32X16
 #undef KVP_WGMMA_OUT8
 
 // Keeps the compiler from moving accesses of acc across the asynchronous MMA.
