@@ -148,11 +148,10 @@ inline constexpr int score_blocks_per_sm = 4;
 // Whether the score kernel's MMAs run on wgmma: the reduces in the fragments (so
 // every pass takes 64-row warpgroup tiles: queries by 64 in the statistics pass, keys
 // by 64 against 32-query chunks in the probability pass), whole 64-row tiles of
-// queries, and at least two of them. With one (w G = 64, configuration A) the kernel
-// measured slower on wgmma, score 0.49 -> 0.70 ms: each warpgroup then has one
-// 64 x 32 tile per key tile and pass, and its four warps wait for one another at
-// every MMA. With two (snapkv, w 32, G 4) it is faster, snapkv A end to end 1.60 ->
-// 1.55 ms.
+// queries, and at least two of them. With one (w G = 64, configuration A: one 64 x 32
+// tile per warpgroup, key tile and pass, four blocks per SM) the kernel measured
+// slower on wgmma, score 0.49 -> 0.70 ms; with two (snapkv, w 32, G 4: three blocks
+// per SM, by shared memory) faster, snapkv A end to end 1.60 -> 1.55 ms.
 KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t w, std::int32_t G) {
   return reduces_in_fragments(group, G) && round32(w * G) % 64 == 0 && round32(w * G) >= 128;
 }
