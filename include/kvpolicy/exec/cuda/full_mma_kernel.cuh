@@ -40,6 +40,13 @@ KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d) {
   return rows * (std::size_t(d) + 8) * 2 + rows * 4 + std::size_t(d) * 4;
 }
 
+// A newest neighbour as one 64-bit word, (position + 1) above the similarity's bits,
+// so that an atomic max keeps the newest; 0 is "none". Each (key, neighbour) pair is
+// found by one block only, so the low half never decides.
+__device__ inline unsigned long long pack_newest(std::int32_t pos, float c) {
+  return (static_cast<unsigned long long>(pos + 1) << 32) | __float_as_uint(c);
+}
+
 // Per row, before full_pairs_mma_kernel: the inverse norm of every candidate key, a
 // thread per key (inverse_norm_16, the host's summation order); the sum of each 256
 // keys' normalised vectors inv_t k_t in fp32, in a fixed order, into

@@ -91,51 +91,26 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
   return std::size_t(block) * (std::size_t(d) + 4) + 4 * std::size_t(block);
 }
 
-// A key's newest similar neighbour as subtract_dropped takes it: the neighbour's index
-// into the sums (-1: none) and their similarity.
-struct dropped_similarity {
-  std::int32_t target;
-  float c;
-};
-
-// A newest neighbour as one 64-bit word, (position + 1) above the similarity's bits,
-// so that an atomic max keeps the newest; 0 is "none". Each (key, neighbour) pair is
-// found by one block only, so the low half never decides.
-__device__ inline unsigned long long pack_newest(std::int32_t pos, float c) {
-  return (static_cast<unsigned long long>(pos + 1) << 32) | __float_as_uint(c);
-}
-__device__ inline dropped_similarity unpack_newest(unsigned long long w) {
-  return {static_cast<std::int32_t>(w >> 32) - 1, __uint_as_float(static_cast<unsigned>(w))};
-}
-
-// red(t) = rowsum(t) - C(u, t) for every u < count whose newest neighbour is t
-// (neighbour(u): a dropped_similarity). Called by one warp: u in chunks of 32, lanes
-// naming the same t subtract in lane order, so the result does not depend on
-// scheduling.
-template <class Neighbour>
-__device__ inline void subtract_dropped(float* sums, std::int32_t count, Neighbour neighbour) {
+// red(t) = rowsum(t) - C(u, t) for every u whose newest neighbour is t. Called by one
+// warp: u in chunks of 32, lanes naming the same t subtract in lane order, so the
+// result does not depend on scheduling. `sums` and `newest` are indexed from pos0.
+__device__ inline void subtract_dropped(float* sums, const std::int32_t* newest, const float* newest_c,
+                                        std::int32_t count, std::int32_t pos0) {
   const std::int32_t lane = threadIdx.x % 32;
   for (std::int32_t u0 = 0; u0 < count; u0 += 32) {
     const std::int32_t u = u0 + lane;
-    const dropped_similarity nb = u < count ? neighbour(u) : dropped_similarity{-1, 0.0f};
-    const unsigned peers = __match_any_sync(0xffffffffu, nb.target);
+    const std::int32_t target = u < count ? newest[u] : -1;
+    const float c = u < count ? newest_c[u] : 0.0f;
+    const unsigned peers = __match_any_sync(0xffffffffu, target);
     // Lanes without a neighbour (target -1) share one group and subtract nothing:
     // they skip the fold, which would otherwise walk all of them.
-    if (nb.target >= 0) {
+    if (target >= 0) {
       float total = 0.0f;
-      for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, nb.c, __ffs(m) - 1);
-      if (lane == __ffs(peers) - 1) sums[nb.target] -= total;
+      for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, c, __ffs(m) - 1);
+      if (lane == __ffs(peers) - 1) sums[target - pos0] -= total;
     }
     __syncwarp();
   }
-}
-// The same with the neighbours as positions (newest, -1 for none; `sums` indexed from
-// pos0) and their similarities.
-__device__ inline void subtract_dropped(float* sums, const std::int32_t* newest, const float* newest_c,
-                                        std::int32_t count, std::int32_t pos0) {
-  subtract_dropped(sums, count, [&](std::int32_t u) {
-    return dropped_similarity{newest[u] < 0 ? -1 : newest[u] - pos0, newest_c[u]};
-  });
 }
 
 // One block per (row, cache block of b tokens): all pairs of the block in shared
@@ -288,13 +263,14 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 }
 
 // Full scope, second half: one block per row subtracts each u's dropped similarity
-// from its newest neighbour, in u order: from `packed` (pack_newest), as the
-// tensor-core kernel leaves them, or, when that is null, from newest and newest_c.
+// from its newest neighbour, in u order. `packed`: null, or the newest neighbours as
+// the tensor-core kernel leaves them (pack_newest: position + 1 above the
+// similarity's bits), which are unpacked into newest and newest_c first.
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                  const float* rowsum, const std::int32_t* newest,
-                                                                  const float* newest_c,
-                                                                  const unsigned long long* packed, float* red_out) {
+                                                                  const float* rowsum, std::int32_t* newest,
+                                                                  float* newest_c, const unsigned long long* packed,
+                                                                  float* red_out) {
   extern __shared__ float4 smem4[];
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
@@ -303,14 +279,16 @@ __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
   float* drop = reinterpret_cast<float*>(smem4);
   const std::int64_t base = row * rs.max_tokens;
-  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) drop[t] = rowsum[base + t];
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    if (packed)
-      subtract_dropped(drop, n, [&](std::int32_t u) { return unpack_newest(packed[base + u]); });
-    else
-      subtract_dropped(drop, newest + base, newest_c + base, n, 0);
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
+    drop[t] = rowsum[base + t];
+    if (packed) {
+      const unsigned long long w = packed[base + t];
+      newest[base + t] = static_cast<std::int32_t>(w >> 32) - 1;
+      newest_c[base + t] = __uint_as_float(static_cast<unsigned>(w));
+    }
   }
+  __syncthreads();
+  if (threadIdx.x < 32) subtract_dropped(drop, newest + base, newest_c + base, n, 0);
   __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(n);
   for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) red_out[base + t] = drop[t] * inv_n / p.redundancy.tau;
