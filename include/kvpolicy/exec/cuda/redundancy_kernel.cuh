@@ -265,7 +265,10 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 // Full scope, second half: one block per row subtracts each u's dropped similarity
 // from its newest neighbour, in u order. `packed`: null, or the newest neighbours as
 // the tensor-core kernel leaves them (pack_newest: position + 1 above the
-// similarity's bits), which are unpacked into newest and newest_c first.
+// similarity's bits), which every thread unpacks into newest and newest_c first. That
+// pass also brings them in ahead of the one warp's walk: the walk reading the packed
+// words itself measured slower, full redundancy on 8 rows at T 18432 1.60 / 1.65 /
+// 1.66 -> 1.72 / 1.76 / 1.77 ms (e2e/gkv/A unchanged, 4.53 ms).
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
                                                                   const float* rowsum, std::int32_t* newest,
