@@ -35,7 +35,8 @@ struct parity_report {
 
 template <class P>
 void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp::batch_item>& items,
-                  parity_report& rep, bool tensor_cores, std::int32_t overlap_groups = 0) {
+                  parity_report& rep, bool tensor_cores, std::int32_t overlap_groups = 0,
+                  bool statistics_in_redundancy = true) {
   gpu_case c(cfg);
   const std::int32_t H = cfg.kv_heads, L = cfg.layers;
   std::int32_t max_tokens = 0;
@@ -52,6 +53,7 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   device_outputs out(items, max_tokens, L * H, c.max_blocks);
   kvp::cuda_executor cx;
   cx.tensor_cores = tensor_cores;
+  cx.statistics_in_redundancy = statistics_in_redundancy;
   // Overlap: redundancy on a second stream, item groups pipelined over the two.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
@@ -134,7 +136,7 @@ int scaled(int cases) {
 
 template <class P>
 void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep,
-                bool tensor_cores = true, std::int32_t overlap_groups = 0) {
+                bool tensor_cores = true, std::int32_t overlap_groups = 0, bool statistics_in_redundancy = true) {
   std::mt19937 rng(seed0);
   cases = scaled(cases);
   const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128, 256}, groups[] = {1, 4, 8};
@@ -175,7 +177,7 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
     std::shuffle(items.begin(), items.end(), rng);
     INFO(std::string(name), " case ", k, ": b ", b, " d ", cfg.head_dim, " h_kv ", cfg.kv_heads, " h_q ", cfg.q_heads, " ",
          kvp::name_of(cfg.type), " layout ", static_cast<int>(cfg.layout), " lengths ", cfg.lengths[0]);
-    check_parity(preset, cfg, items, rep, tensor_cores, overlap_groups);
+    check_parity(preset, cfg, items, rep, tensor_cores, overlap_groups, statistics_in_redundancy);
   }
 }
 
@@ -205,6 +207,8 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   auto gkv_below_zero = kvp::presets::gkv{};
   gkv_below_zero.redundancy.theta = -0.25f;
   run_random("gkv/theta<0", gkv_below_zero, 10, 15, rep);
+  // The score kernel's own statistics pass, where lightning would compute them.
+  run_random("zipage/statistics_in_score", kvp::presets::zipage{}, 30, 16, rep, true, 0, false);
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);

@@ -75,7 +75,10 @@ struct cuda_executor {
   cudaStream_t stream = nullptr;
   host_mirror mirror{};
   // Optional: 5 events recorded before the first kernel and after the score,
-  // redundancy, epilogue (aggregate + select) and layout stages. Not while capturing.
+  // redundancy, epilogue (aggregate + select) and layout stages; where the redundancy
+  // stage computes the softmax statistics (redundancy_computes_statistics) it runs
+  // first, so events 1 and 2 follow the redundancy and the score stage. Not while
+  // capturing.
   // With them the stages run one after the other, without the programmatic
   // dependent launches and row hand-offs that otherwise let each start in the last
   // wave of the one before (run_stages), so that their times add up.
@@ -83,12 +86,18 @@ struct cuda_executor {
   // Q.K^T and K.K^T on tensor cores when the cache is f16/bf16 (and the queries of
   // the same type) and head_dim is a multiple of 16; false forces the fp32 FMA kernels.
   bool tensor_cores = true;
+  // Lightning redundancy on tensor cores also computes the window attention's softmax
+  // statistics from the keys it holds in shared memory, so that the score kernel
+  // reads the keys once, not twice (where redundancy_computes_statistics says). The
+  // results differ from those without it only by fp32 rounding.
+  bool statistics_in_redundancy = true;
   // Optional overlap, given a second stream and two events (fork, join). The batch's
   // items are split into `overlap_groups` groups and pipelined: `stream` runs each
   // group's epilogue and compaction (bound by memory) while `overlap_stream` runs the
   // next group's score and redundancy stages (bound by arithmetic); the first group's
-  // redundancy runs beside its score, so one kernel's last wave leaves no SM idle that
-  // the other can use. Groups touch disjoint sequences and each group's stages keep
+  // redundancy runs beside its score (unless it computes the score's statistics:
+  // then it runs before it, on overlap_stream), so one kernel's last wave leaves no
+  // SM idle that the other can use. Groups touch disjoint sequences and each group's stages keep
   // their order, so the results are the same; fork and join are events, so a capture
   // records every branch. stage_marks 1 to 3 are then recorded with 4.
   cudaStream_t overlap_stream = nullptr;
@@ -118,7 +127,13 @@ struct cuda_executor {
 
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
                        batch.max_tokens, out.status};
-    const auto plan = plan_workspace<P>(rs, cache.head_dim, out, !rows_fit_in_shared_memory(batch.max_tokens));
+    const bool stats = redundancy_computes_statistics(pv, cache, queries);
+    const std::int64_t stats_per_row =
+        stats ? std::int64_t{max_blocks(batch, cache)} *
+                    cuda::block_statistics_count(scorer_window(pv.scorer), queries.num_q_heads / cache.num_kv_heads)
+              : 0;
+    const auto plan =
+        plan_workspace<P>(rs, cache.head_dim, out, !rows_fit_in_shared_memory(batch.max_tokens), stats_per_row);
     if (temp == nullptr) {
       temp_bytes = plan.total;
       return cudaSuccess;
@@ -140,7 +155,7 @@ struct cuda_executor {
           pv, cache, queries, rs, reinterpret_cast<std::int32_t*>(ws + plan.ready), workspace_plan::flag_sets);
       if (!overlap_stream) {
         run_stages(pv, cache, queries, scores, rs, 0, batch.num_items, ws, plan, out, {stream, stream, stream}, mark,
-                   stage_marks == nullptr);
+                   stage_marks == nullptr, stats);
       } else {
         // A pipeline: `stream` runs every group's epilogue and compaction, the overlap
         // stream the next group's score and redundancy meanwhile; group 0 splits its
@@ -151,8 +166,10 @@ struct cuda_executor {
         for (std::int32_t g = 0; g < groups; ++g) {
           const std::int32_t first = static_cast<std::int32_t>(std::int64_t{batch.num_items} * g / groups);
           const std::int32_t last = static_cast<std::int32_t>(std::int64_t{batch.num_items} * (g + 1) / groups);
-          const stage_streams on{g == 0 ? stream : overlap_stream, overlap_stream, stream};
-          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false);
+          // Where redundancy computes the statistics, each group's redundancy and score
+          // run on the overlap stream, one after the other.
+          const stage_streams on{g == 0 && !stats ? stream : overlap_stream, overlap_stream, stream};
+          run_stages(pv, cache, queries, scores, rs, first, last - first, ws, plan, out, on, [](int) {}, false, stats);
         }
         cudaEventRecord(overlap_events[1], overlap_stream);
         cudaStreamWaitEvent(stream, overlap_events[1], 0);
@@ -175,6 +192,24 @@ struct cuda_executor {
     return cudaGetLastError();
   }
 
+  // Whether the lightning kernel computes the window attention's softmax statistics
+  // (statistics_in_redundancy): an attention scorer whose reduces run in the
+  // fragments, both stages on tensor cores, head dim 64 or 128, and cache blocks of
+  // at least twice as many keys as the window has query rows (each lightning block
+  // reads those queries; with fewer keys it would read more queries than keys).
+  template <class P>
+  bool redundancy_computes_statistics(const P& p, const paged_kv_view& cache, const query_window_view& queries) const {
+    using S = typename P::scorer_type;
+    using R = typename P::redundancy_type;
+    if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
+      const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
+      return statistics_in_redundancy && mma_scores(cache, queries) && cuda::reduces_in_fragments(p.scorer.group, G) &&
+             (cache.head_dim == 64 || cache.head_dim == 128) && 2 * cuda::round32(p.scorer.window * G) <= cache.block_size;
+    } else {
+      return false;
+    }
+  }
+
  private:
   struct workspace_plan;
 
@@ -189,10 +224,12 @@ struct cuda_executor {
   // contiguous range of every per-row buffer, their per-item results a range of the
   // per-item ones. `mark(i)` records stage mark i (or nothing). `programmatic`: the
   // stages may be chained by programmatic dependent launches (nothing between them).
+  // `stats`: redundancy_computes_statistics (score and redundancy on one stream); the
+  // redundancy stage then runs first, and stage mark 1 follows it, 2 the score stage.
   template <class P, class Mark>
   void run_stages(const P& pv, const paged_kv_view& cache, const query_window_view& queries, const score_view& scores,
                   cuda::row_space rs, std::int32_t first, std::int32_t count, std::byte* ws, const workspace_plan& plan,
-                  const device_result& out, stage_streams on, Mark mark, bool programmatic) const {
+                  const device_result& out, stage_streams on, Mark mark, bool programmatic, bool stats) const {
     using S = typename P::scorer_type;
     using A = typename P::aggregate_type;
     using R = typename P::redundancy_type;
@@ -207,7 +244,8 @@ struct cuda_executor {
     std::uint8_t* keep = (out.keep_masks ? out.keep_masks : reinterpret_cast<std::uint8_t*>(ws + plan.keep)) + at;
     // On one stream without stage marks the stages are chained by programmatic
     // dependent launches: lightning redundancy first, then the score kernel, which may
-    // start in its last wave (they share nothing), then the epilogue and the layout,
+    // start in its last wave (and waits for it before reading the softmax statistics
+    // lightning computed, when it did), then the epilogue and the layout,
     // whose launches overlap the end of the kernel before, and whose blocks start on
     // their row as soon as that row is handed on (below), not when the whole kernel
     // before has finished (configuration A: 1.874 -> 1.820 ms end to end).
@@ -227,6 +265,7 @@ struct cuda_executor {
     constexpr bool scores_last = !std::same_as<S, none> && (lightning || std::same_as<R, none>);
     std::int32_t* score_ready = chained && scores_last ? ready + row0 : nullptr;
     std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
+    auto* block_stats = stats ? reinterpret_cast<float2*>(ws + plan.stats) + row0 * plan.stats_per_row : nullptr;
 
     const auto score_stage = [&] {
       if constexpr (AttentionScorer<S>) {
@@ -241,12 +280,12 @@ struct cuda_executor {
             if constexpr (HeadDim > 0) {
               if (wgmma) {
                 launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim, true>, 1, smem, pv.scorer, cache,
-                             queries, rs, score_buf, score_ready);
+                             queries, rs, score_buf, score_ready, static_cast<const float2*>(block_stats));
                 return;
               }
             }
             launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, 1, smem, pv.scorer, cache, queries, rs,
-                         score_buf, score_ready);
+                         score_buf, score_ready, static_cast<const float2*>(block_stats));
           });
         } else {
           const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
@@ -264,7 +303,8 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf);
+              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf, queries,
+                         block_stats);
             });
           } else {
             const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
@@ -301,8 +341,9 @@ struct cuda_executor {
         }
       }
     };
-    if (chained && lightning) {
+    if (stats || (chained && lightning)) {
       redundancy_stage();
+      mark(1);
       score_stage();
     } else {
       score_stage();
@@ -382,6 +423,8 @@ struct cuda_executor {
     std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, inv = 0, key_sums = 0, packed = 0, keep = 0,
                 rows_global = 0;
     std::size_t ready = 0;
+    std::size_t stats = 0;  // [rows][stats_per_row] float2: softmax statistics per cache block
+    std::int64_t stats_per_row = 0;
     std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
     // Row hand-off flags: [flag_sets][rows], score -> epilogue and epilogue -> layout.
@@ -395,7 +438,7 @@ struct cuda_executor {
 
   template <class P>
   static workspace_plan plan_workspace(const cuda::row_space& rs, std::int32_t head_dim, const device_result& out,
-                                       bool rows_global) {
+                                       bool rows_global, std::int64_t stats_per_row) {
     const std::size_t cells = static_cast<std::size_t>(rs.rows()) * static_cast<std::size_t>(rs.max_tokens);
     workspace_plan w;
     w.rows = rs.rows();
@@ -422,6 +465,10 @@ struct cuda_executor {
     }
     if (!out.keep_masks) w.keep = take(cells);
     if (rows_global) w.rows_global = take(2 * cells * sizeof(float));  // offset 0 is never a real buffer
+    if (stats_per_row > 0) {
+      w.stats_per_row = stats_per_row;
+      w.stats = take(static_cast<std::size_t>(rs.rows() * stats_per_row) * sizeof(float2));
+    }
     return w;
   }
 

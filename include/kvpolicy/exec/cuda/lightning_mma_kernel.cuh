@@ -12,6 +12,8 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/query_window_view.hpp"
+#include "kvpolicy/exec/cuda/block_statistics.cuh"
 #include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/gram_tile.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
@@ -33,10 +35,14 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
 }
 
 // HeadDim: the head dim as a constant (64 and 128, from the executor), or 0 to read
-// it at run time, as for attention_score_mma_kernel.
+// it at run time, as for attention_score_mma_kernel. Given stats_out (a constant
+// HeadDim and an attention scorer whose reduces run in the fragments), the block also
+// writes its keys' softmax statistics for the row's window queries, at
+// [row][blockIdx.y][block_statistics_count], for the score kernel that follows.
 template <class P, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                    float* red_out) {
+                                                                    float* red_out, query_window_view q,
+                                                                    float2* stats_out) {
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
@@ -69,9 +75,22 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   // Rows past count are zero, so the tiles past it add nothing.
   key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
   cp_async_commit();
+  // The softmax statistics' first queries load while the keys are in flight.
+  using S = typename P::scorer_type;
+  [[maybe_unused]] auto statistics = [&] {
+    if constexpr (AttentionScorer<S> && HeadDim > 0) {
+      const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
+      float2* out = stats_out ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
+                              : nullptr;
+      return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, out);
+    } else {
+      return 0;
+    }
+  }();
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();
+  if constexpr (AttentionScorer<S> && HeadDim > 0) statistics.run(keys, at, pos0, count);
   inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
 

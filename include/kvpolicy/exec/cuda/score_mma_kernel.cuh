@@ -161,14 +161,19 @@ KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t
 // ahead of the MMAs that wait on them (configuration A, d 128: 0.540 -> 0.521 ms).
 // Wgmma: the MMAs on wgmma, queries and keys in core matrices (sm_90a; the executor
 // sets it where score_wgmma_fits; elsewhere the kernel is the mma.sync one).
+// block_stats: the softmax statistics of each cache block of the row, written by the
+// kernel before (lightning_mma_kernel's stats_out), joined here in place of the
+// first pass over the keys; null to make that pass (when given, the reduces must run
+// in the fragments).
 template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
 __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
-                               std::int32_t* ready_out) {
+                               std::int32_t* ready_out, const float2* block_stats) {
   extern __shared__ uint4 smem16[];
-  // Launched after lightning redundancy, with which it shares nothing, this kernel
-  // may start in its last wave; it finishes after it, so that the epilogue, which
-  // waits for this kernel (or, given ready_out, for this block), sees both.
+  // Launched after lightning redundancy, this kernel may start in its last wave; it
+  // waits for it before it reads the blocks' statistics (block_stats) and in any
+  // case before it finishes, so that the epilogue, which waits for this kernel (or,
+  // given ready_out, for this block), sees both.
   const prerequisites_at_exit after_redundancy;
   allow_dependents();
   if (failed(rs)) return;
@@ -232,13 +237,30 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       for (std::int32_t j = 0; j < w; ++j) plain_end = min(plain_end, s.visible_end(T - w + j));
     }
   }
+  if (block_stats) {
+    // The blocks' statistics, joined in block order (blocks past the candidates wrote
+    // none), once the kernel that wrote them has finished.
+    wait_for_prerequisites();
+    const std::int32_t b = cache.block_size, blocks = (n + b - 1) / b;
+    const std::int64_t per_block = 2 * std::int64_t{rows};
+    const float2* row_stats = block_stats + std::int64_t{blockIdx.x} * ((rs.max_tokens + b - 1) / b) * per_block;
+    for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
+      float2 st{ninf, 0.0f};
+      for (std::int32_t blk = 0; blk < blocks; ++blk)
+        for (std::int32_t h = 0; h < 2; ++h) {
+          const float2 part_stat = row_stats[blk * per_block + h * rows + i];
+          if (part_stat.x != ninf) st = merge_nonempty(st, part_stat.x, part_stat.y);
+        }
+      half_stat[2 * i] = st;  // this thread set both halves to empty above
+    }
+  }
   const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, at);
   // The key tile at `pos` (whole tiles of a constant head dim by the loader's
   // test-free path).
   const auto load_tile = [&](std::uint16_t* to, std::int32_t pos) {
     loader.template copy_tile<mma_key_tile, HeadDim>(cache, to, n - pos, pos);
   };
-  for (int pass = 0; pass < 2; ++pass) {
+  for (int pass = block_stats ? 1 : 0; pass < 2; ++pass) {
     __syncthreads();
     if (pass == 1)
       for (std::int32_t i = threadIdx.x; i < (in_fragments ? rows : QW); i += blockDim.x) {

@@ -100,8 +100,34 @@ __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_
   __trap();  // callers test KVP_CUDA_WGMMA first
 #endif
 }
+// The same with A from registers: each warp's 16 rows of the 64 in mma.sync's
+// A-fragment order (a[0..3] as mma_16816 takes them), B from shared memory.
+#define KVP_WGMMA_64X32X16_RS(TYPE, c, a, desc_b, scale_d)                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                   \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                       \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n" \
+               : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+template <dtype T>
+__device__ inline void wgmma_64x32x16_rs(float (&acc)[4][4], const std::uint32_t (&a)[4], std::uint64_t desc_b,
+                                         bool accumulate) {
+  static_assert(T == dtype::bf16 || T == dtype::f16);
+#if KVP_CUDA_WGMMA
+  float* c = &acc[0][0];
+  const int scale_d = accumulate;
+  if constexpr (T == dtype::bf16) {
+    KVP_WGMMA_64X32X16_RS("bf16", c, a, desc_b, scale_d);
+  } else {
+    KVP_WGMMA_64X32X16_RS("f16", c, a, desc_b, scale_d);
+  }
+#else
+  (void)acc, (void)a, (void)desc_b, (void)accumulate;
+  __trap();  // callers test KVP_CUDA_WGMMA first
+#endif
+}
 #undef KVP_WGMMA_64X64X16
 #undef KVP_WGMMA_64X32X16
+#undef KVP_WGMMA_64X32X16_RS
 #undef KVP_WGMMA_OUT8
 
 // Keeps the compiler from moving accesses of acc across the asynchronous MMA.
