@@ -103,8 +103,8 @@ struct cuda_executor {
   cudaStream_t overlap_stream = nullptr;
   cudaEvent_t* overlap_events = nullptr;  // [2]
   // The best count depends on the batch: on configuration A (16 items, H100) 1 group
-  // measured 1.73 ms, 2 / 3 / 4 groups 1.77 / 1.78 / 1.81, and one stream, chained with
-  // row hand-offs (run_stages), 1.71: there the overlap does not pay.
+  // measured 1.67 ms, 2 / 3 / 4 groups 1.70 / 1.75 / 1.70, and one stream, chained with
+  // row hand-offs (run_stages), 1.63: there the overlap does not pay.
   std::int32_t overlap_groups = 1;  // at least 1 when overlap_stream is set
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
