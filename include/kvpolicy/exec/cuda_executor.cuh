@@ -97,9 +97,9 @@ struct cuda_executor {
   // next group's score and redundancy stages (bound by arithmetic); the first group's
   // redundancy runs beside its score (unless it computes the score's statistics:
   // then it runs before it, on overlap_stream), so one kernel's last wave leaves no
-  // SM idle that the other can use. Groups touch disjoint sequences and each group's stages keep
-  // their order, so the results are the same; fork and join are events, so a capture
-  // records every branch. stage_marks 1 to 3 are then recorded with 4.
+  // SM idle that the other can use. Groups touch disjoint sequences and each group's
+  // stages keep their order, so the results are the same; fork and join are events,
+  // so a capture records every branch. stage_marks 1 to 3 are then recorded with 4.
   cudaStream_t overlap_stream = nullptr;
   cudaEvent_t* overlap_events = nullptr;  // [2]
   // The best count depends on the batch: on configuration A (16 items, H100) 1 group
@@ -204,7 +204,8 @@ struct cuda_executor {
     if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       return statistics_in_redundancy && mma_scores(cache, queries) && cuda::reduces_in_fragments(p.scorer.group, G) &&
-             (cache.head_dim == 64 || cache.head_dim == 128) && 2 * cuda::round32(p.scorer.window * G) <= cache.block_size;
+             (cache.head_dim == 64 || cache.head_dim == 128) &&
+             2 * cuda::round32(p.scorer.window * G) <= cache.block_size;
     } else {
       return false;
     }

@@ -39,9 +39,9 @@ __device__ inline std::int32_t statistics_plain_end(const S& s, std::int32_t T, 
 
 // A warp's 16 query rows m0 + lane / 4 (+ 8) of the `rows` in chunk order, as
 // mma.sync's (and wgmma's register) A fragment: per 16 dims, 32-bit words lane % 4
-// and 4 + lane % 4 of each row's 8; padding rows are zero. Loaded once from global
-// memory: a row's queries are few and read by each of its blocks, so they come
-// from L2.
+// and 4 + lane % 4 of each row's 8; padding rows are zero. Loaded from global
+// memory by each block of a row (they mostly come from DRAM again: the streamed
+// keys push them out of L2 between a row's blocks), under the block's key copy.
 template <int D>
 struct query_fragments {
   std::uint32_t a[D / 16][4];
@@ -72,13 +72,15 @@ struct query_fragments {
 
 // A lane's running (max of raw logits, sum of 2^(z scale - max scale)) for its two
 // rows over its columns; the quad joins them once at the end (write), so a 32-key
-// chunk costs a max and, on a new max, a rescale, with no shuffle.
+// chunk costs a max and a rescale, with no shuffle and no branch.
 struct lane_statistics {
   float run_m[2] = {-__builtin_huge_valf(), -__builtin_huge_valf()};
   float run_s[2] = {0.0f, 0.0f};
   float scale;
 
-  __device__ explicit lane_statistics(std::int32_t d) : scale(1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f) {}
+  // scale: 1 / sqrt(d) in log2 units, as the score kernel's.
+  __device__ explicit lane_statistics(std::int32_t d)
+      : scale(1.0f / sqrtf(static_cast<float>(d)) * 1.4426950408889634f) {}
 
   // Folds the 16 x 32 fragment tile acc of keys [t0, t0 + 32) (all visible when
   // plain; keys from `end` on are not candidates). Without branches per row: a row
