@@ -209,6 +209,10 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   run_random("gkv/theta<0", gkv_below_zero, 10, 15, rep);
   // The score kernel's own statistics pass, where lightning would compute them.
   run_random("zipage/statistics_in_score", kvp::presets::zipage{}, 30, 16, rep, true, 0, false);
+  // Lightning's statistics over candidates that stop before the window (R-KV's scorer).
+  auto before_window = kvp::presets::zipage{};
+  before_window.scorer.keys_before_window = true;
+  run_random("zipage/keys_before_window", before_window, 20, 17, rep);
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);
