@@ -3,7 +3,6 @@
 // the score kernel reads every key once, for its probability pass, instead of twice.
 #pragma once
 
-#include <concepts>
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
@@ -23,18 +22,6 @@ namespace cuda {
 // units, (-inf, 0) where a query sees none of the half's keys.
 KVP_HOST_DEVICE constexpr std::int64_t block_statistics_count(std::int32_t w, std::int32_t G) {
   return 2 * std::int64_t{round32(w * G)};
-}
-
-// Keys below this are visible to every window query: chunks under it skip the mask
-// test (padding query rows are left out by the score kernel's window reduce).
-template <AttentionScorer S>
-__device__ inline std::int32_t statistics_plain_end(const S& s, std::int32_t T, std::int32_t end) {
-  std::int32_t plain_end = 0;
-  if constexpr (requires { { s.visible_end(0) } -> std::same_as<std::int32_t>; }) {
-    plain_end = end;
-    for (std::int32_t j = 0; j < s.window; ++j) plain_end = min(plain_end, s.visible_end(T - s.window + j));
-  }
-  return plain_end;
 }
 
 // A warp's 16 query rows m0 + lane / 4 (+ 8) of the `rows` in chunk order, as
@@ -162,7 +149,9 @@ class block_statistics {
   template <class Layout>
   __device__ void run(const std::uint16_t* keys, Layout at, std::int32_t pos0, std::int32_t count) {
     if (!out_) return;
-    const std::int32_t end = pos0 + count, plain_end = statistics_plain_end(s_, T_, end);
+    // Chunks below plain_end skip the mask test (padding query rows are left out by the
+    // score kernel's window reduce).
+    const std::int32_t end = pos0 + count, plain_end = min(end, window_visible_end(s_, T_));
     for (std::int32_t item = first_item(); item < items(); item += item_step()) {
       if (item != first_item()) load(item);
       const std::int32_t half = item % 2;

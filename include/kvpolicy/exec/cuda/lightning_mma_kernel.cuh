@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   cp_async_commit();
   // The softmax statistics' first queries load while the keys are in flight.
   using S = typename P::scorer_type;
+  constexpr bool with_statistics = AttentionScorer<S> && HeadDim > 0;
   [[maybe_unused]] auto statistics = [&] {
-    if constexpr (AttentionScorer<S> && HeadDim > 0) {
+    if constexpr (with_statistics) {
       const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
       float2* out = stats_out ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
                               : nullptr;
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();
-  if constexpr (AttentionScorer<S> && HeadDim > 0) statistics.run(keys, at, pos0, count);
+  if constexpr (with_statistics) statistics.run(keys, at, pos0, count);
   inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
 

@@ -87,6 +87,19 @@ KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, s
          std::size_t(window_partials(w, G)) * mma_key_tile * 4;
 }
 
+// Keys below the result are visible to every one of the window's queries (the
+// scorer's optional visible_end hint, the window ending at T); 0 without the hint,
+// where no key is known to be.
+template <AttentionScorer S>
+__device__ inline std::int32_t window_visible_end(const S& s, std::int32_t T) {
+  std::int32_t end = 0;
+  if constexpr (requires { { s.visible_end(0) } -> std::same_as<std::int32_t>; }) {
+    end = s.visible_end(T - s.window);
+    for (std::int32_t j = 1; j < s.window; ++j) end = min(end, s.visible_end(T - s.window + j));
+  }
+  return end;
+}
+
 // Where the query of each shared-memory row sits: window position and head in its
 // GQA group. In the natural order row r is head r % G of position r / G. With the
 // reduces in the fragments, rows go in 32-row chunks ordered for the probability
@@ -230,13 +243,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
   // Keys below plain_end are candidates visible to every window query, and no row is
   // padding (or padding rows are left out later, in chunk order): tiles under it
   // skip the mask test (the scorer's optional visible_end).
-  std::int32_t plain_end = 0;
-  if constexpr (requires { { s.visible_end(0) } -> std::same_as<std::int32_t>; }) {
-    if (QW == rows || in_fragments) {
-      plain_end = n;
-      for (std::int32_t j = 0; j < w; ++j) plain_end = min(plain_end, s.visible_end(T - w + j));
-    }
-  }
+  const std::int32_t plain_end = QW == rows || in_fragments ? min(n, window_visible_end(s, T)) : 0;
   if (block_stats) {
     // The blocks' statistics, joined in block order (blocks past the candidates wrote
     // none), once the kernel that wrote them has finished.
