@@ -139,11 +139,10 @@ __device__ inline void publish_scores(std::int32_t* ready, std::uint32_t row) {
 }
 
 // Kernels after validation do nothing once an error was found, so a malformed
-// batch never writes a byte. A plain load: only the validation kernel writes the
-// status, and it has finished before any stage starts (the first stage after it is
-// launched plainly), so no stage reads it while it can change. (A volatile load,
-// which bypasses L1, held each lightning block's first instructions on L2.)
-__device__ inline bool failed(const row_space& rs) { return *rs.status != 0; }
+// batch never writes a byte.
+__device__ inline bool failed(const row_space& rs) {
+  return *static_cast<volatile const std::int32_t*>(rs.status) != 0;
+}
 
 __device__ inline void report(std::int32_t* status, status_code code, std::int32_t item, std::int32_t a = 0,
                               std::int32_t b = 0, std::int32_t c = 0, std::int32_t d = 0) {

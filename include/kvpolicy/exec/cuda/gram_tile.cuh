@@ -112,45 +112,17 @@ __device__ inline void for_each_similarity(const float (&acc)[Tiles][4], const f
   }
 }
 
-// The tile column of mask bit `bit` in this lane.
-__device__ inline std::int32_t mask_column(std::int32_t bit) {
-  return (bit >> 1) * 8 + static_cast<std::int32_t>(threadIdx.x % 4) * 2 + (bit & 1);
-}
-
-// x = acc * inv_v of the lane's element `bit` of row h: a select tree on bit's binary
-// digits (2 Tiles - 1 selects; a run-time index into acc would put it in local memory).
-template <int Tiles>
-__device__ inline float masked_similarity(const float (&acc)[Tiles][4], const float* col_inv, int h, std::int32_t bit) {
-  float v[2 * Tiles];
-#pragma unroll
-  for (int k = 0; k < 2 * Tiles; ++k) v[k] = acc[k / 2][h * 2 + k % 2];
-#pragma unroll
-  for (int step = 1; step < 2 * Tiles; step *= 2)
-#pragma unroll
-    for (int k = 0; k + step < 2 * Tiles; k += 2 * step) v[k] = (bit & step) != 0 ? v[k + step] : v[k];
-  return v[0] * col_inv[mask_column(bit)];
-}
-
 // Folds a Gram tile into `st`: row sums, and the newest column over theta with its x.
-// An element costs a multiply, an add, a compare and a predicated bit set; the
-// tile's newest column over theta (its highest mask bit: a lane meets its columns in
-// increasing order) and that x (the same product again) are taken once per tile, not
-// selected element by element.
 template <fold_mode Mode, int Tiles>
 __device__ inline void fold_similarities(similarity_rows& st, const float (&acc)[Tiles][4], const float* col_inv,
                                          std::int32_t col_pos0, std::int32_t cols, const std::int32_t (&diag)[2]) {
-  std::uint32_t mask[2] = {0u, 0u};
-  for_each_similarity<Mode>(acc, col_inv, cols, diag, [&](int bit, std::int32_t, int h, float x) {
+  for_each_similarity<Mode>(acc, col_inv, cols, diag, [&](int, std::int32_t col, int h, float x) {
     st.sum[h] += x;
-    if (x > st.over[h]) mask[h] |= 1u << bit;
-  });
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    if (mask[h] != 0u) {
-      const std::int32_t bit = 31 - __clz(static_cast<int>(mask[h]));
-      st.near[h] = col_pos0 + mask_column(bit);
-      st.near_c[h] = masked_similarity(acc, col_inv, h, bit);
+    if (x > st.over[h]) {
+      st.near[h] = col_pos0 + col;
+      st.near_c[h] = x;
     }
+  });
 }
 
 // The full kernel's fold (full_pairs_mma_kernel): only which elements of a lane's two
@@ -165,6 +137,21 @@ __device__ inline void over_theta(std::uint32_t (&mask)[2], const float (&acc)[T
   for_each_similarity<Mode>(acc, col_inv, cols, diag, [&](int bit, std::int32_t, int h, float x) {
     if (x > over[h]) mask[h] |= 1u << bit;
   });
+}
+
+// The tile column of mask bit `bit` in this lane.
+__device__ inline std::int32_t mask_column(std::int32_t bit) {
+  return (bit >> 1) * 8 + static_cast<std::int32_t>(threadIdx.x % 4) * 2 + (bit & 1);
+}
+
+// x = acc * inv_v of the lane's element `bit` of row h (an unrolled select: a run-time
+// index into acc would put it in local memory).
+template <int Tiles>
+__device__ inline float masked_similarity(const float (&acc)[Tiles][4], const float* col_inv, int h, std::int32_t bit) {
+  float a = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2 * Tiles; ++k) a = k == bit ? acc[k / 2][h * 2 + k % 2] : a;
+  return a * col_inv[mask_column(bit)];
 }
 
 // Calls f.template operator()<Mode>(diag) with the cheapest exact fold_mode for a
