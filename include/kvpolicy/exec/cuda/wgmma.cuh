@@ -74,6 +74,14 @@ __device__ inline void fence_async_shared() {
                " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"        \
                : KVP_WGMMA_OUT8(c, 0), KVP_WGMMA_OUT8(c, 8)                                                     \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// MMA(TYPE, args...) for the operand type T: the PTX type name is a string literal
+// pasted into the asm, so each type is its own expansion.
+#define KVP_WGMMA_FOR_TYPE(T, MMA, ...) \
+  if constexpr (T == dtype::bf16) {     \
+    MMA("bf16", __VA_ARGS__);           \
+  } else {                              \
+    MMA("f16", __VA_ARGS__);            \
+  }
 template <dtype T, int N>
 __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_a, std::uint64_t desc_b,
                                      bool accumulate) {
@@ -83,17 +91,9 @@ __device__ inline void wgmma_64xNx16(float (&acc)[N / 8][4], std::uint64_t desc_
   float* c = &acc[0][0];
   const int scale_d = accumulate;
   if constexpr (N == 64) {
-    if constexpr (T == dtype::bf16) {
-      KVP_WGMMA_64X64X16("bf16", c, desc_a, desc_b, scale_d);
-    } else {
-      KVP_WGMMA_64X64X16("f16", c, desc_a, desc_b, scale_d);
-    }
+    KVP_WGMMA_FOR_TYPE(T, KVP_WGMMA_64X64X16, c, desc_a, desc_b, scale_d);
   } else {
-    if constexpr (T == dtype::bf16) {
-      KVP_WGMMA_64X32X16("bf16", c, desc_a, desc_b, scale_d);
-    } else {
-      KVP_WGMMA_64X32X16("f16", c, desc_a, desc_b, scale_d);
-    }
+    KVP_WGMMA_FOR_TYPE(T, KVP_WGMMA_64X32X16, c, desc_a, desc_b, scale_d);
   }
 #else
   (void)acc, (void)desc_a, (void)desc_b, (void)accumulate;
@@ -115,11 +115,7 @@ __device__ inline void wgmma_64x32x16_rs(float (&acc)[4][4], const std::uint32_t
 #if KVP_CUDA_WGMMA
   float* c = &acc[0][0];
   const int scale_d = accumulate;
-  if constexpr (T == dtype::bf16) {
-    KVP_WGMMA_64X32X16_RS("bf16", c, a, desc_b, scale_d);
-  } else {
-    KVP_WGMMA_64X32X16_RS("f16", c, a, desc_b, scale_d);
-  }
+  KVP_WGMMA_FOR_TYPE(T, KVP_WGMMA_64X32X16_RS, c, a, desc_b, scale_d);
 #else
   (void)acc, (void)a, (void)desc_b, (void)accumulate;
   __trap();  // callers test KVP_CUDA_WGMMA first
@@ -128,6 +124,7 @@ __device__ inline void wgmma_64x32x16_rs(float (&acc)[4][4], const std::uint32_t
 #undef KVP_WGMMA_64X64X16
 #undef KVP_WGMMA_64X32X16
 #undef KVP_WGMMA_64X32X16_RS
+#undef KVP_WGMMA_FOR_TYPE
 #undef KVP_WGMMA_OUT8
 
 // Keeps the compiler from moving accesses of acc across the asynchronous MMA.
