@@ -146,61 +146,40 @@ class block_statistics {
     if (out_) load(first_item());
   }
 
-  // ready(g) publishes the keys' copy group g (64 rows each, the caller's): every
-  // thread of the block calls it for g = 0 .. groups - 1 in order, the first item's
-  // chunks of group g after it, so the statistics start on the first 64 keys while
-  // the rest are in flight. Later items run with every group published.
-  template <class Layout, class Ready>
-  __device__ void run(const std::uint16_t* keys, Layout at, std::int32_t pos0, std::int32_t count,
-                      std::int32_t groups, Ready ready) {
-    if (!out_) {
-      ready(groups - 1);
-      return;
-    }
+  template <class Layout>
+  __device__ void run(const std::uint16_t* keys, Layout at, std::int32_t pos0, std::int32_t count) {
+    if (!out_) return;
     // Chunks below plain_end skip the mask test (padding query rows are left out by the
     // score kernel's window reduce).
     const std::int32_t end = pos0 + count, plain_end = min(end, window_visible_end(s_, T_));
-    const auto chunk = [&](lane_statistics& st, std::int32_t c0) {
+    for (std::int32_t item = first_item(); item < items(); item += item_step()) {
+      if (item != first_item()) load(item);
+      const std::int32_t half = item % 2;
+      lane_statistics st(D);
+      for (std::int32_t c0 = half * 32; c0 < count; c0 += 64) {
 #if KVP_CUDA_WGMMA
-      float acc[4][4];  // the first MMA overwrites it
-      const wgmma_descriptor db(keys + at(c0, 0), D);
-      wgmma_fence();  // the fragments were written by ordinary loads
+        float acc[4][4];  // the first MMA overwrites it
+        const wgmma_descriptor db(keys + at(c0, 0), D);
+        wgmma_fence();  // the fragments were written by ordinary loads
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) wgmma_64x32x16_rs<Elem>(acc, qf_.a[kk], db.at(kk), kk > 0);
-      wgmma_commit();
-      wgmma_gram_wait(acc);
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_64x32x16_rs<Elem>(acc, qf_.a[kk], db.at(kk), kk > 0);
+        wgmma_commit();
+        wgmma_gram_wait(acc);
 #else
-      const std::int32_t lane = threadIdx.x % 32;
-      float acc[4][4] = {};
+        const std::int32_t lane = threadIdx.x % 32;
+        float acc[4][4] = {};
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
+        for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          std::uint32_t bf[4];
-          ldmatrix_x4(bf, keys + at(c0 + np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
-          mma_16816<Elem>(acc[np * 2], qf_.a[kk], bf[0], bf[1]);
-          mma_16816<Elem>(acc[np * 2 + 1], qf_.a[kk], bf[2], bf[3]);
-        }
+          for (int np = 0; np < 2; ++np) {
+            std::uint32_t bf[4];
+            ldmatrix_x4(bf, keys + at(c0 + np * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+            mma_16816<Elem>(acc[np * 2], qf_.a[kk], bf[0], bf[1]);
+            mma_16816<Elem>(acc[np * 2 + 1], qf_.a[kk], bf[2], bf[3]);
+          }
 #endif
-      st.fold(s_, acc, pos0 + c0, pos0 + c0 + 32 <= plain_end, end, qf_);
-    };
-    // A half's chunks are the 32 keys at half * 32 + 64 k: chunk k lies in group k.
-    std::int32_t item = first_item();
-    {
-      const bool has = item < items();  // warps past the items still publish the groups
-      const std::int32_t half = item % 2;
-      lane_statistics st(D);
-      for (std::int32_t k = 0; k < groups; ++k) {
-        ready(k);
-        if (has && half * 32 + 64 * k < count) chunk(st, half * 32 + 64 * k);
+        st.fold(s_, acc, pos0 + c0, pos0 + c0 + 32 <= plain_end, end, qf_);
       }
-      if (has) st.write(out_ + half * rows_, first_row(item), rows_);
-    }
-    for (item += item_step(); item < items(); item += item_step()) {
-      load(item);
-      const std::int32_t half = item % 2;
-      lane_statistics st(D);
-      for (std::int32_t c0 = half * 32; c0 < count; c0 += 64) chunk(st, c0);
       st.write(out_ + half * rows_, first_row(item), rows_);
     }
   }

@@ -72,20 +72,9 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
   float* newest_c = reinterpret_cast<float*>(newest + rows);
 
-  // Rows past count are zero, so the tiles past it add nothing. The keys come in
-  // groups of 64 rows, each its own cp.async group, published one by one (ready).
-  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, at);
-  const std::int32_t groups = (rows + 63) / 64;
-  for (std::int32_t g = 0; g < groups; ++g) {
-    const std::int32_t r0 = g * 64, n0 = min(64, rows - r0);
-    loader.copy(cache, keys + at(r0, 0), n0, min(n0, count - r0), pos0 + r0);
-    cp_async_commit();
-  }
-  const auto ready = [&](std::int32_t g) {
-    cp_async_wait_pending(groups - 1 - g);
-    fence_async_shared();
-    __syncthreads();
-  };
+  // Rows past count are zero, so the tiles past it add nothing.
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
+  cp_async_commit();
   // The softmax statistics' first queries load while the keys are in flight.
   using S = typename P::scorer_type;
   constexpr bool with_statistics = AttentionScorer<S> && HeadDim > 0;
@@ -99,10 +88,10 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
       return 0;
     }
   }();
-  if constexpr (with_statistics)
-    statistics.run(keys, at, pos0, count, groups, ready);
-  else
-    ready(groups - 1);
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
+  if constexpr (with_statistics) statistics.run(keys, at, pos0, count);
   inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
 

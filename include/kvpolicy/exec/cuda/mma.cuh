@@ -58,17 +58,6 @@ __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Waits until at most `pending` (0 to 3; more waits as for 3) of this thread's newest
-// cp.async groups are still in flight.
-__device__ inline void cp_async_wait_pending(std::int32_t pending) {
-  switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    default: cp_async_wait<3>(); break;
-  }
-}
-
 // Lanes that share one row of d 16-bit elements (d / 8 chunks of 16 bytes): the
 // whole warp for long rows, else one lane per chunk. The tensor-core path requires
 // d / 8 to be a power of two or a multiple of 32, so groups never straddle a warp.
