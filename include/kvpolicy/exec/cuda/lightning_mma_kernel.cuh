@@ -24,20 +24,6 @@
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
-#ifdef KVP_LIGHTNING_TRACE
-// Experiment: a per-block timeline (%globaltimer at eight points) of the fifth launch,
-// printed by the seventh.
-__device__ unsigned long long lightning_trace_count;
-__device__ unsigned long long lightning_trace_buf[16384][9];
-__device__ inline unsigned long long trace_now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-#define KVP_TP(i) tp[i] = trace_now()
-#else
-#define KVP_TP(i)
-#endif
 
 // Shared memory, in bytes, enough for either path: the block's keys (16-bit; mma.sync:
 // [round16(b)][d + 8]; wgmma: round64(b) rows in core matrices), and per key its
@@ -59,23 +45,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
                                                                     float2* stats_out) {
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
-#ifdef KVP_LIGHTNING_STAGGER_NS
-  // Experiment: the first wave's blocks start KVP_LIGHTNING_STAGGER_NS apart per slot
-  // (by launch order, mode 0, or by block index mod 3, mode 1).
-  {
-    const unsigned id = blockIdx.y * gridDim.x + blockIdx.x;
-#if KVP_LIGHTNING_STAGGER_MODE == 0
-    if (id < 3 * 132) __nanosleep((id / 132) * KVP_LIGHTNING_STAGGER_NS);
-#else
-    if (id < 3 * 132) __nanosleep((id % 3) * KVP_LIGHTNING_STAGGER_NS);
-#endif
-  }
-#endif
   if (failed(rs)) return;
-#ifdef KVP_LIGHTNING_TRACE
-  unsigned long long tp[8];
-#endif
-  KVP_TP(0);
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];
@@ -105,7 +75,6 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   // Rows past count are zero, so the tiles past it add nothing.
   key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
   cp_async_commit();
-  KVP_TP(1);
   // The softmax statistics' first queries load while the keys are in flight.
   using S = typename P::scorer_type;
   constexpr bool with_statistics = AttentionScorer<S> && HeadDim > 0;
@@ -119,16 +88,12 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
       return 0;
     }
   }();
-  KVP_TP(2);
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();
-  KVP_TP(3);
   if constexpr (with_statistics) statistics.run(keys, at, pos0, count);
-  KVP_TP(4);
   inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
   __syncthreads();
-  KVP_TP(5);
 
   for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
     // This warp's 16 rows of the tile, and the lane's two of them.
@@ -164,33 +129,12 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
     }
   }
   __syncthreads();
-  KVP_TP(6);
   // The dropped similarities, added into rowsum by one warp in u order (deterministic).
   if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
   __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(b);
   for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
     red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
-#ifdef KVP_LIGHTNING_TRACE
-  if (threadIdx.x == 0) {
-    KVP_TP(7);
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    const unsigned long long k = atomicAdd(&lightning_trace_count, 1ull);
-    const unsigned long long all = static_cast<unsigned long long>(gridDim.x) * gridDim.y;
-    if (k >= 4 * all && k < 5 * all) {
-      auto* r = lightning_trace_buf[k - 4 * all];
-      r[0] = (unsigned long long)blockIdx.x << 32 | blockIdx.y << 16 | smid;
-      for (int i = 0; i < 8; ++i) r[i + 1] = tp[i];
-    }
-    if (k == 6 * all)
-      for (unsigned long long i = 0; i < all && i < 16384; ++i) {
-        const auto* r = lightning_trace_buf[i];
-        printf("T %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", r[0] >> 32, (r[0] >> 16) & 0xffff,
-               r[0] & 0xffff, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]);
-      }
-  }
-#endif
 }
 
 }  // namespace cuda
