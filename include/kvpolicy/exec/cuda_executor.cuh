@@ -304,8 +304,8 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch(on.redundancy, false, cuda::lightning_mma_kernel<P, Elem, HeadDim>, rows * blocks, 1, smem, pv,
-                     cache, rs, red_buf, queries, block_stats);
+              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf, queries,
+                         block_stats);
             });
           } else {
             const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);

@@ -38,7 +38,7 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
 // it at run time, as for attention_score_mma_kernel. Given stats_out (a constant
 // HeadDim and an attention scorer whose reduces run in the fragments), the block also
 // writes its keys' softmax statistics for the row's window queries, at
-// [row][cache block][block_statistics_count], for the score kernel that follows.
+// [row][blockIdx.y][block_statistics_count], for the score kernel that follows.
 template <class P, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
                                                                     float* red_out, query_window_view q,
@@ -46,16 +46,11 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
-  // A flat grid, a row's cache blocks adjacent: they run at the same time, so the
-  // window queries that each of them loads come from L2 for all but the first.
-  const std::int32_t b = cache.block_size;
-  const auto blocks_per_row = static_cast<std::uint32_t>((rs.max_tokens + b - 1) / b);
-  const std::int64_t row = blockIdx.x / blocks_per_row;
-  const std::uint32_t block_of_row = blockIdx.x % blocks_per_row;
+  const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  const std::int32_t pos0 = static_cast<std::int32_t>(block_of_row) * b;
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
   if (pos0 >= n) return;
   const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -86,7 +81,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   [[maybe_unused]] auto statistics = [&] {
     if constexpr (with_statistics) {
       const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
-      float2* out = stats_out ? stats_out + (row * blocks_per_row + block_of_row) * block_statistics_count(p.scorer.window, G)
+      float2* out = stats_out ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
                               : nullptr;
       return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, out);
     } else {
