@@ -304,10 +304,8 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              // Persistent: one block per resident slot, each walking the tiles.
-              const auto kernel = cuda::lightning_mma_kernel<P, Elem, HeadDim>;
-              const unsigned tiles = rows * blocks, grid = std::min(tiles, resident_blocks(kernel, smem));
-              launch(on.redundancy, false, kernel, grid, 1, smem, pv, cache, rs, red_buf, queries, block_stats);
+              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf, queries,
+                         block_stats);
             });
           } else {
             const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);
@@ -554,19 +552,6 @@ struct cuda_executor {
     }
   }
 
-  // Blocks of `kernel` (row_threads each, `smem` bytes of dynamic shared memory) that
-  // the current device holds at once, at least 1. Host queries only: no
-  // synchronisation, allowed while a stream is captured.
-  template <class Kernel>
-  static unsigned resident_blocks(Kernel kernel, std::size_t smem) {
-    int device = 0, sms = 0, per_sm = 0;
-    if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::row_threads, smem) != cudaSuccess)
-      return 1u << 30;  // the launch that follows reports the error
-    return static_cast<unsigned>(std::max(1, sms * per_sm));
-  }
   // `programmatic`: a programmatic dependent launch (cuda::wait_for_prerequisites),
   // when the kernel was built for sm_90 or later, where it waits as it must.
   template <class Kernel, class... Args>

@@ -46,114 +46,95 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
-  const std::int32_t b = cache.block_size, d = HeadDim > 0 ? HeadDim : cache.head_dim;
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
+  const batch_item it = rs.items[rc.item];
+  const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
+  if (pos0 >= n) return;
+  const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float theta = p.redundancy.theta;
 #if KVP_CUDA_WGMMA
   // Warpgroups take 64-row tiles (a warp 16 rows of them); keys in wgmma's layout.
-  const std::int32_t max_rows = round64(b), first_tile = warp_uniform(warp / 4) * 64, tile_step = warps / 4 * 64;
+  const std::int32_t rows = round64(count), first_tile = warp_uniform(warp / 4) * 64, tile_step = warps / 4 * 64;
   const std::int32_t warp_row = warp % 4 * 16;
   const core_matrices at{d};
 #else
   // Warps take 16-row tiles; keys padded for ldmatrix.
-  const std::int32_t max_rows = round16(b), first_tile = warp * 16, tile_step = warps * 16, warp_row = 0;
+  const std::int32_t rows = round16(count), first_tile = warp * 16, tile_step = warps * 16, warp_row = 0;
   const padded_rows at{d + 8};
 #endif
-  // Laid out for a whole cache block, so that no tile's keys reach the per-key state
-  // of the tile before.
+
   auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
-  auto* inv = reinterpret_cast<float*>(keys + at(max_rows, 0));
-  float* rowsum = inv + max_rows;
-  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + max_rows);
-  float* newest_c = reinterpret_cast<float*>(newest + max_rows);
+  auto* inv = reinterpret_cast<float*>(keys + at(rows, 0));
+  float* rowsum = inv + rows;
+  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
+  float* newest_c = reinterpret_cast<float*>(newest + rows);
 
-  // Persistent: the grid holds as many blocks as fit at once, and each walks the
-  // (row, cache block) tiles in launch order (the rows fastest), grid-stride.
-  const auto row_count = static_cast<std::uint32_t>(rs.rows());
-  const auto blocks_per_row = static_cast<std::uint32_t>((rs.max_tokens + b - 1) / b);
-  const std::uint32_t tiles = row_count * blocks_per_row;
-  for (std::uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const std::int64_t row = tile % row_count;
-    const std::uint32_t block_of_row = tile / row_count;
-    const row_coord rc = decode_row(rs, row);
-    const batch_item it = rs.items[rc.item];
-    const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-    const std::int32_t pos0 = static_cast<std::int32_t>(block_of_row) * b;
-    if (pos0 >= n) continue;
-    const std::int32_t count = min(b, n - pos0);
+  // Rows past count are zero, so the tiles past it add nothing.
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
+  cp_async_commit();
+  // The softmax statistics' first queries load while the keys are in flight.
+  using S = typename P::scorer_type;
+  constexpr bool with_statistics = AttentionScorer<S> && HeadDim > 0;
+  [[maybe_unused]] auto statistics = [&] {
+    if constexpr (with_statistics) {
+      const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
+      float2* out = stats_out ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
+                              : nullptr;
+      return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, out);
+    } else {
+      return 0;
+    }
+  }();
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
+  if constexpr (with_statistics) statistics.run(keys, at, pos0, count);
+  inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
+  __syncthreads();
+
+  for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
+    // This warp's 16 rows of the tile, and the lane's two of them.
+    const std::int32_t m0 = t0 + warp_row;
+    const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
+    similarity_rows st;
+    st.set_rows(u[0] < count ? inv[u[0]] : 0.0f, u[1] < count ? inv[u[1]] : 0.0f, theta);
 #if KVP_CUDA_WGMMA
-    const std::int32_t rows = round64(count);
+    // One 64-column tile at a time. Two 32-column MMAs, one running while the other
+    // is folded, measured slower (0.474 -> 0.520 ms on A); a group left in flight
+    // across iterations makes ptxas serialise every MMA (C7514).
+    for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
+      float acc[8][4];  // the first wgmma overwrites it (scale-d 0)
+      wgmma_gram<Elem, gram_tile_columns>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
+      fold_tile(st, acc, inv + v0, v0, count - v0, m0 - v0, theta);
+    }
 #else
-    const std::int32_t rows = round16(count);
-#endif
-
-    // Rows past count are zero, so the tiles past it add nothing.
-    key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
-    cp_async_commit();
-    // The softmax statistics' first queries load while the keys are in flight.
-    using S = typename P::scorer_type;
-    constexpr bool with_statistics = AttentionScorer<S> && HeadDim > 0;
-    [[maybe_unused]] auto statistics = [&] {
-      if constexpr (with_statistics) {
-        const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
-        float2* out = stats_out ? stats_out + (row * blocks_per_row + block_of_row) *
-                                                  block_statistics_count(p.scorer.window, G)
-                                : nullptr;
-        return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, out);
-      } else {
-        return 0;
-      }
-    }();
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();
-    if constexpr (with_statistics) statistics.run(keys, at, pos0, count);
-    inverse_norms_16<Elem, HeadDim>(keys, inv, count, d, at, p.redundancy.eps);
-    __syncthreads();
-
-    for (std::int32_t t0 = first_tile; t0 < rows; t0 += tile_step) {
-      // This warp's 16 rows of the tile, and the lane's two of them.
-      const std::int32_t m0 = t0 + warp_row;
-      const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
-      similarity_rows st;
-      st.set_rows(u[0] < count ? inv[u[0]] : 0.0f, u[1] < count ? inv[u[1]] : 0.0f, theta);
-#if KVP_CUDA_WGMMA
-      // One 64-column tile at a time. Two 32-column MMAs, one running while the other
-      // is folded, measured slower (0.474 -> 0.520 ms on A); a group left in flight
-      // across iterations makes ptxas serialise every MMA (C7514).
-      for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
-        float acc[8][4];  // the first wgmma overwrites it (scale-d 0)
-        wgmma_gram<Elem, gram_tile_columns>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
-        fold_tile(st, acc, inv + v0, v0, count - v0, m0 - v0, theta);
-      }
-#else
-      for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
-        float acc[8][4] = {};
-        gram_tile<Elem>(acc, keys + at(m0, 0), keys + at(v0, 0), rows - v0, d, at.pitch);
-        fold_tile(st, acc, inv + v0, v0, count - v0, m0 - v0, theta);
-      }
+    for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
+      float acc[8][4] = {};
+      gram_tile<Elem>(acc, keys + at(m0, 0), keys + at(v0, 0), rows - v0, d, at.pitch);
+      fold_tile(st, acc, inv + v0, v0, count - v0, m0 - v0, theta);
+    }
 #endif
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
-        st.finish(h);
-        if (lane % 4 == 0 && u[h] < count) {
-          rowsum[u[h]] = st.sum[h];
-          newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];
-          newest_c[u[h]] = st.near_c[h];
-        }
+    for (int h = 0; h < 2; ++h) {
+      reduce_column<4>(st.sum[h], st.near[h], st.near_c[h]);  // the quad holds one row
+      st.finish(h);
+      if (lane % 4 == 0 && u[h] < count) {
+        rowsum[u[h]] = st.sum[h];
+        newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];
+        newest_c[u[h]] = st.near_c[h];
       }
     }
-    __syncthreads();
-    // The dropped similarities, added into rowsum by one warp in u order (deterministic).
-    if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
-    __syncthreads();
-    const float inv_n = 1.0f / static_cast<float>(b);
-    for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
-      red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
-    // The next tile's keys overwrite none of this tile's state, and its first writes
-    // to rowsum come after two barriers, once every thread has read it.
   }
+  __syncthreads();
+  // The dropped similarities, added into rowsum by one warp in u order (deterministic).
+  if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
+  __syncthreads();
+  const float inv_n = 1.0f / static_cast<float>(b);
+  for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
+    red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
 }
 
 }  // namespace cuda
