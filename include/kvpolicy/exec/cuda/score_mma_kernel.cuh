@@ -7,6 +7,7 @@
 // groups, so the group reduce and most of the window reduce need no shuffle).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <type_traits>
 
