@@ -45,25 +45,12 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
                                                                     float2* stats_out) {
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
-  // A block's start is a chain of dependent loads (status, item, length and block id,
-  // keys), some 4 us of its 23 on configuration A; loads that do not depend on each
-  // other go out together, two round trips before the key copy instead of four.
+  if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);
-  const bool bad = failed(rs);
   const batch_item it = rs.items[rc.item];
-  if (bad) return;
-  const std::int32_t blk = static_cast<std::int32_t>(blockIdx.y);
-  const std::int32_t b = cache.block_size, pos0 = blk * b;
-#if KVP_CUDA_WGMMA
-  const core_matrices at{HeadDim > 0 ? HeadDim : cache.head_dim};
-#else
-  const padded_rows at{(HeadDim > 0 ? HeadDim : cache.head_dim) + 8};
-#endif
-  const key_tile_loader loader(cache, rc.layer, it.seq, rc.head, at);
-  // The grid covers max_tokens, which the table's row need not: past it, no block.
-  const std::int32_t phys = blk < cache.table.capacity(it.seq) ? loader.physical_block(blk) : -1;
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
   if (pos0 >= n) return;
   const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -72,9 +59,11 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   // Warpgroups take 64-row tiles (a warp 16 rows of them); keys in wgmma's layout.
   const std::int32_t rows = round64(count), first_tile = warp_uniform(warp / 4) * 64, tile_step = warps / 4 * 64;
   const std::int32_t warp_row = warp % 4 * 16;
+  const core_matrices at{d};
 #else
   // Warps take 16-row tiles; keys padded for ldmatrix.
   const std::int32_t rows = round16(count), first_tile = warp * 16, tile_step = warps * 16, warp_row = 0;
+  const padded_rows at{d + 8};
 #endif
 
   auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
@@ -84,7 +73,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   float* newest_c = reinterpret_cast<float*>(newest + rows);
 
   // Rows past count are zero, so the tiles past it add nothing.
-  loader.copy_block(cache, keys, rows, count, blk, phys);
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
   cp_async_commit();
   // The softmax statistics' first queries load while the keys are in flight.
   using S = typename P::scorer_type;

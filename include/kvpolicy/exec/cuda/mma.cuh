@@ -185,33 +185,13 @@ class key_tile_loader {
   // parameter whose address is kept would be copied to local memory).
   __device__ void copy(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
                        std::int32_t pos0) const {
-    const std::int32_t b = c.block_size, blk = block_of(pos0, b);
-    copy_within(c, dst, rows, count, pos0, blk, blocks_[blk]);
-  }
-
-  // The physical block of logical block blk, for copy_block: read by the caller ahead
-  // of the copy, beside its other loads, so that a short kernel's chain of dependent
-  // loads before its first copy is shorter. blk must be within the table's row.
-  __device__ std::int32_t physical_block(std::int32_t blk) const { return blocks_[blk]; }
-
-  // The first `count` keys of logical block blk (physical block phys) into dst rows
-  // [0, count); rows [count, rows) get zeros.
-  __device__ void copy_block(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
-                             std::int32_t blk, std::int32_t phys) const {
-    copy_within(c, dst, rows, count, blk * c.block_size, blk, phys);
-  }
-
- private:
-  // copy() of keys from position pos0 of logical block blk, physical block phys on.
-  __device__ void copy_within(const paged_kv_view& c, std::uint16_t* dst, std::int32_t rows, std::int32_t count,
-                              std::int32_t pos0, std::int32_t blk, std::int32_t phys) const {
-    const std::int32_t b = c.block_size, slot = pos0 - blk * b;
+    const std::int32_t b = c.block_size, blk = block_of(pos0, b), slot = pos0 - blk * b;
     if (!strided_ || slot + count > b) {
       copy_rows_async(dst, rows, count, c.head_dim, at_, [&](std::int32_t r) { return row(pos0 + r, b); });
       return;
     }
     std::int32_t r = row0_;
-    const std::byte* src = first_source_in(phys, slot);
+    const std::byte* src = first_source(blk, slot);
     std::uint16_t* out = dst + first_out_;
     // Unrolled: one loop test and a few adds per copy instead of a dozen instructions.
 #pragma unroll 4
@@ -219,17 +199,14 @@ class key_tile_loader {
     for (; r < rows; r += step_, out += out_step_) *reinterpret_cast<uint4*>(out) = uint4{0, 0, 0, 0};
   }
 
+ private:
   // The logical cache block of position t (blocks of b tokens).
   __device__ std::int32_t block_of(std::int32_t t, std::int32_t b) const {
     return block_shift_ >= 0 ? t >> block_shift_ : t / b;
   }
   // This thread's first source byte of a strided tile starting at `slot` of block `blk`.
   __device__ const std::byte* first_source(std::int32_t blk, std::int32_t slot) const {
-    return first_source_in(blocks_[blk], slot);
-  }
-  // The same in physical block phys.
-  __device__ const std::byte* first_source_in(std::int32_t phys, std::int32_t slot) const {
-    return base_ + phys * block_bytes_ + slot * token_bytes_ + first_offset_;
+    return base_ + blocks_[blk] * block_bytes_ + slot * token_bytes_ + first_offset_;
   }
   // First byte of the key at logical position t (c.k_row with the layer and head folded in).
   __device__ const std::byte* row(std::int32_t t, std::int32_t b) const {
