@@ -7,6 +7,8 @@
 //   e2e_overlap<G>/zipage/A         the same with cuda_executor::overlap_stream: redundancy
 //                                   beside scoring, items in G groups over two streams, G = 1 to 4
 //   stage/zipage/A                  configuration A, zipage, per-stage times from the stage marks
+//   e2e|stage/zipage/A_dup          the same with one key in eight a near-copy of an earlier key
+//                                   of its block (the PyTorch reference's inputs); e2e/gkv/A_dup
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
 //   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
@@ -28,6 +30,7 @@
 // `moved` (the moved_tokens counter) is counted once per configuration from an
 // untimed run: kept tokens whose destination index differs from their position.
 // GB/s = bytes / time; copy_fraction = GB/s / (best measured copy GB/s, read + write).
+// host_us: the median CPU time of the compress call itself (validation and launches).
 //
 // Per-stage byte models (stage/zipage/A), each stage's own inputs and outputs,
 // including the fp32 work buffers that pass scores between stages:
@@ -41,6 +44,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <cstdio>
@@ -169,6 +173,46 @@ void fill_uniform(void* p, std::size_t n, kvp::dtype type, std::uint64_t seed, f
   KVP_BENCH_CHECK(cudaGetLastError());
 }
 
+// u(seed, i) of fill_uniform_kernel, in [0, 1).
+__device__ inline float uniform01(std::uint64_t seed, std::uint64_t i) {
+  return static_cast<float>(splitmix64(seed * 0xD1B54A32D192ED03ull + i) >> 40) * (1.0f / 16777216.0f);
+}
+
+// Near-duplicate keys, as bench/reference/zipage_reference.py makes them: in a K half
+// `[L, num_blocks, b, h_kv, d]` filled by fill_uniform(seed, lo -1, hi 1), key (slot t,
+// head h) of each cache block becomes, with probability `fraction` (t > 0), key
+// (slot s, h) of the same block for a uniform s < t plus noise in [-0.1, 0.1): cosine
+// about 0.99, over zipage's theta. The source is recomputed from the hash, so every
+// thread reads the original and the result does not depend on the order.
+template <class Elem>
+__global__ void near_duplicates_kernel(Elem* k, std::size_t blocks, std::int32_t b, std::int32_t heads,
+                                       std::int32_t d, std::uint64_t seed, float fraction) {
+  const std::size_t keys = blocks * b * heads, stride = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t key = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; key < keys; key += stride) {
+    const auto t = static_cast<std::int32_t>(key / heads % b);
+    if (t == 0 || uniform01(seed + 100, key) >= fraction) continue;
+    const auto s = min(static_cast<std::int32_t>(uniform01(seed + 101, key) * float(t)), t - 1);
+    const std::size_t src = key - std::size_t(t - s) * heads;
+    for (std::int32_t i = 0; i < d; ++i) {
+      const float v = -1.0f + 2.0f * uniform01(seed, src * d + i) - 0.1f + 0.2f * uniform01(seed + 102, key * d + i);
+      k[key * d + i] = Elem(v);
+    }
+  }
+}
+
+void near_duplicates(void* k, std::size_t blocks, std::int32_t b, std::int32_t heads, std::int32_t d, kvp::dtype type,
+                     std::uint64_t seed, float fraction, cudaStream_t s) {
+  const std::size_t keys = blocks * b * heads;
+  if (keys == 0 || fraction <= 0.0f) return;
+  const auto grid = static_cast<unsigned>(std::min<std::size_t>((keys + 255) / 256, 65536));
+  switch (type) {
+    case kvp::dtype::f16: near_duplicates_kernel<<<grid, 256, 0, s>>>(static_cast<__half*>(k), blocks, b, heads, d, seed, fraction); break;
+    case kvp::dtype::bf16: near_duplicates_kernel<<<grid, 256, 0, s>>>(static_cast<__nv_bfloat16*>(k), blocks, b, heads, d, seed, fraction); break;
+    default: near_duplicates_kernel<<<grid, 256, 0, s>>>(static_cast<float*>(k), blocks, b, heads, d, seed, fraction); break;
+  }
+  KVP_BENCH_CHECK(cudaGetLastError());
+}
+
 // ---------------------------------------------------------------------------
 // Device copy bandwidth: the roof every copy_fraction is measured against
 // ---------------------------------------------------------------------------
@@ -242,6 +286,7 @@ struct shape {
   std::int32_t n_max = 9;
   std::int32_t window = 16;  // observation queries kept per slot (at least the scorer's window)
   kvp::dtype type = kvp::dtype::bf16;
+  float near_duplicates = 0.0f;  // fraction of keys made near-copies of an earlier key of their block
 
   std::int32_t tokens() const { return n_max * block_size; }             // T: full last block
   std::int32_t budget() const { return (n_max - 1) * block_size; }       // Zipage's (N_max - 1) b
@@ -285,6 +330,9 @@ struct bench_case {
     f = dbuf(f_elems * sizeof(float));
     f0 = dbuf(f_elems * sizeof(float));
     fill_uniform(kv0.get(), kv_elems, s.type, seed, -1.0f, 1.0f, stream);
+    // The K half of every layer ([2, L, ...]: K first, layers contiguous).
+    near_duplicates(kv0.get(), std::size_t(s.layers) * num_blocks, b, s.kv_heads, s.head_dim, s.type, seed,
+                    s.near_duplicates, stream);
     fill_uniform(q.get(), q_elems, s.type, seed + 1, -1.0f, 1.0f, stream);
     // F: scores of an earlier compression, on the scale of attention probabilities.
     fill_uniform(f0.get(), f_elems, kvp::dtype::f32, seed + 2, 0.0f, 2.0f / float(T), stream);
@@ -462,6 +510,7 @@ void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind,
     const bench_case::overlap o{side, fork_join.data(), groups};
 
     double e2e_s = 0.0;
+    std::vector<double> host_us;  // the compress call itself, on the CPU (enqueue), per iteration
     std::array<double, 4> stage_s{};  // score, redundancy, epilogue, layout
     // Where the redundancy stage computes the softmax statistics it runs first: mark 1
     // then follows the redundancy stage and mark 2 the score stage.
@@ -470,7 +519,10 @@ void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind,
     for (auto _ : state) {
       bc.restore();
       KVP_BENCH_CHECK(cudaEventRecord(start, stream));
-      KVP_BENCH_CHECK(bc.compress(p, use_marks ? marks.data() : nullptr, false, o));
+      const auto t0 = std::chrono::steady_clock::now();
+      const cudaError_t enqueued = bc.compress(p, use_marks ? marks.data() : nullptr, false, o);
+      host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      KVP_BENCH_CHECK(enqueued);
       KVP_BENCH_CHECK(cudaEventRecord(stop, stream));
       KVP_BENCH_CHECK(cudaEventSynchronize(stop));
       const double e2e = elapsed_ms(start, stop) * 1e-3;
@@ -500,6 +552,8 @@ void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind,
     state.counters["budget"] = s.budget();
     state.counters["moved_tokens"] = double(moved);
     state.counters["e2e_ms"] = e2e_mean * 1e3;
+    std::nth_element(host_us.begin(), host_us.begin() + host_us.size() / 2, host_us.end());
+    state.counters["host_us"] = host_us.empty() ? 0.0 : host_us[host_us.size() / 2];  // median
 
     if (kind != row_kind::redundancy) {
       state.counters["bytes"] = model.total();
@@ -603,6 +657,16 @@ void register_all() {
 
   // Per stage, configuration A, zipage.
   add_row("stage/zipage/A", kvp::presets::zipage{}, a, row_kind::stage, 30);
+  // The same with one key in eight a near-copy of an earlier key of its block, as the
+  // PyTorch reference's inputs: random keys never cross theta, these do, so lightning's
+  // dropped neighbours and the selection they change are exercised.
+  {
+    shape dup = a;
+    dup.near_duplicates = 0.125f;
+    add_row("e2e/zipage/A_dup", kvp::presets::zipage{}, dup, row_kind::e2e, 30);
+    add_row("stage/zipage/A_dup", kvp::presets::zipage{}, dup, row_kind::stage, 30);
+    add_row("e2e/gkv/A_dup", kvp::presets::gkv{}, dup, row_kind::e2e, 3);
+  }
 
   // Scaling in sequences (T 2304) and in tokens held (16 sequences).
   for (int seqs : {1, 4, 16, 64}) {
