@@ -27,7 +27,7 @@ namespace cuda {
 
 // Shared memory, in bytes, enough for either path: the block's keys (16-bit; mma.sync:
 // [round16(b)][d + 8]; wgmma: round64(b) rows in core matrices), and per key its
-// inverse norm, row sum, newest neighbour and that similarity.
+// inverse norm, row sum and dropped similarities (dropped_sums, 64-bit).
 KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t block, std::int32_t d) {
   const std::size_t padded = static_cast<std::size_t>(round16(block)) * (std::size_t(d) + 8) * 2;
   const std::size_t core = static_cast<std::size_t>(round64(block)) * std::size_t(d) * 2;
@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
   auto* inv = reinterpret_cast<float*>(keys + at(rows, 0));
   float* rowsum = inv + rows;
-  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + rows);
-  float* newest_c = reinterpret_cast<float*>(newest + rows);
+  const dropped_sums dropped{reinterpret_cast<unsigned long long*>(rowsum + rows)};  // rows: a multiple of 16
+  dropped.clear(count);
 
   // Rows past count are zero, so the tiles past it add nothing.
   key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, rows, count, pos0);
@@ -123,18 +123,14 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
       st.finish(h);
       if (lane % 4 == 0 && u[h] < count) {
         rowsum[u[h]] = st.sum[h];
-        newest[u[h]] = st.near[h] < 0 ? -1 : pos0 + st.near[h];
-        newest_c[u[h]] = st.near_c[h];
+        if (st.near[h] >= 0) dropped.add(st.near[h], st.near_c[h]);
       }
     }
   }
   __syncthreads();
-  // The dropped similarities, added into rowsum by one warp in u order (deterministic).
-  if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
-  __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(b);
   for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
-    red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
+    red_out[row * rs.max_tokens + pos0 + t] = (rowsum[t] - dropped.of(t)) * inv_n / p.redundancy.tau;
 }
 
 }  // namespace cuda

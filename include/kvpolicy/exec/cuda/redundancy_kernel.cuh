@@ -86,10 +86,28 @@ __device__ inline void reduce_column(float& rowsum, std::int32_t& newest, float&
 }
 
 // Shared memory of the lightning kernel, in floats: the block's keys, their inverse
-// norms, and per column its row sum, newest neighbour and that similarity.
+// norms, and per column its row sum and dropped similarities (64-bit, 8-byte aligned).
 KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, std::int32_t d) {
-  return std::size_t(block) * (std::size_t(d) + 4) + 4 * std::size_t(block);
+  return std::size_t(block) * (std::size_t(d) + 4) + 4 * std::size_t(block) + 1;
 }
+
+// The similarities C(u, t) that red(t) leaves out (u's newest neighbour is t), summed
+// per t in 64-bit fixed point (2^-40) by shared-memory atomics: every row adds its own
+// at once, and the sum does not depend on their order. C of a row's newest neighbour
+// is over theta; any |C| of 2^-16 or more is exact in it, and 256 rows of |C| <= 1
+// stay far from the 2^63 bound.
+struct dropped_sums {
+  unsigned long long* words;  // [rows], zero before the first add
+  __device__ void clear(std::int32_t rows) const {
+    for (std::int32_t t = threadIdx.x; t < rows; t += blockDim.x) words[t] = 0ull;
+  }
+  __device__ void add(std::int32_t t, float c) const {
+    atomicAdd(&words[t], static_cast<unsigned long long>(__float2ll_rn(c * 0x1p40f)));
+  }
+  __device__ float of(std::int32_t t) const {
+    return __ll2float_rn(static_cast<long long>(words[t])) * 0x1p-40f;
+  }
+};
 
 // red(t) = rowsum(t) - C(u, t) for every u whose newest neighbour is t. Called by one
 // warp: u in chunks of 32, lanes naming the same t subtract in lane order, so the
@@ -133,8 +151,8 @@ __global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_vi
   float* keys = reinterpret_cast<float*>(smem4);
   float* inv = keys + std::size_t(b) * pitch;
   float* rowsum = inv + b;
-  auto* newest = reinterpret_cast<std::int32_t*>(rowsum + b);
-  float* newest_c = reinterpret_cast<float*>(newest + b);
+  const dropped_sums dropped{reinterpret_cast<unsigned long long*>(rowsum + b + (std::size_t(b) * (pitch + 2)) % 2)};
+  dropped.clear(count);
 
   load_rows(keys, count, d, pitch, cache.type,
             [&](std::int32_t r) { return cache.k_row(rc.layer, it.seq, pos0 + r, rc.head); });
@@ -157,17 +175,14 @@ __global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_vi
       reduce_column(st.rowsum[c], st.newest[c], st.newest_c[c]);
       if (lane == 0 && u0 + c < count) {
         rowsum[u0 + c] = st.rowsum[c];
-        newest[u0 + c] = st.newest[c];
-        newest_c[u0 + c] = st.newest_c[c];
+        if (st.newest[c] >= 0) dropped.add(st.newest[c] - pos0, st.newest_c[c]);
       }
     }
   }
   __syncthreads();
-  if (warp == 0) subtract_dropped(rowsum, newest, newest_c, count, pos0);
-  __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(b);
   for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
-    red_out[row * rs.max_tokens + pos0 + t] = rowsum[t] * inv_n / p.redundancy.tau;
+    red_out[row * rs.max_tokens + pos0 + t] = (rowsum[t] - dropped.of(t)) * inv_n / p.redundancy.tau;
 }
 
 // Shared memory of the full kernel, in floats: a tile of columns u and a tile of keys
