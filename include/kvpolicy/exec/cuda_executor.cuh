@@ -12,6 +12,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -495,13 +498,13 @@ struct cuda_executor {
       const char* name = kv == 0 ? "k" : "v";
       const kv_strides& st = *strides[kv];
       require(aligned(st.block, cache.type) && aligned(st.token, cache.type) && aligned(st.head, cache.type),
-              detail::format("cache.{}_stride", name),
+              detail::path("cache.{}_stride", name),
               "is (block {}, token {}, head {}) elements; rows must start on 16-byte boundaries", st.block, st.token,
               st.head);
       const layer_bases& lb = *bases[kv];
-      require(aligned(lb.offset, cache.type) && aligned(lb.layer_stride, cache.type), detail::format("cache.{}.offset", name),
+      require(aligned(lb.offset, cache.type) && aligned(lb.layer_stride, cache.type), detail::path("cache.{}.offset", name),
               "is {} (layer stride {}) elements; rows must start on 16-byte boundaries", lb.offset, lb.layer_stride);
-      require(lb.table || reinterpret_cast<std::uintptr_t>(lb.base) % 16 == 0, detail::format("cache.{}.base", name),
+      require(lb.table || reinterpret_cast<std::uintptr_t>(lb.base) % 16 == 0, detail::path("cache.{}.base", name),
               "address {:#x} is not 16-byte aligned", reinterpret_cast<std::uintptr_t>(lb.base));
     }
     const std::size_t limit = static_cast<std::size_t>(shared_memory_limit());
@@ -552,6 +555,27 @@ struct cuda_executor {
     }
   }
 
+  // Whether the image of `kernel` that the current device runs was built for sm_90 or
+  // later. Asked of the runtime once per kernel and device: cudaFuncGetAttributes took
+  // some 0.6 us of every launch's host time.
+  template <class Kernel>
+  static bool built_for_sm90(Kernel kernel) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    static std::mutex guard;
+    static std::map<std::pair<const void*, int>, bool> known;
+    const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device};
+    {
+      const std::lock_guard lock(guard);
+      if (const auto it = known.find(key); it != known.end()) return it->second;
+    }
+    cudaFuncAttributes built{};
+    const bool sm90 = cudaFuncGetAttributes(&built, kernel) == cudaSuccess && built.ptxVersion >= 90;
+    const std::lock_guard lock(guard);
+    known.emplace(key, sm90);
+    return sm90;
+  }
+
   // `programmatic`: a programmatic dependent launch (cuda::wait_for_prerequisites),
   // when the kernel was built for sm_90 or later, where it waits as it must.
   template <class Kernel, class... Args>
@@ -561,8 +585,7 @@ struct cuda_executor {
     // scans, say) needs the opt-in; any launch that asks for some opts in, so a
     // request just under 48 KB does not fail on top of static storage.
     if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    cudaFuncAttributes built{};
-    if (programmatic && cudaFuncGetAttributes(&built, kernel) == cudaSuccess && built.ptxVersion >= 90) {
+    if (programmatic && built_for_sm90(kernel)) {
       cudaLaunchAttribute attr{};
       attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attr.val.programmaticStreamSerializationAllowed = 1;

@@ -23,13 +23,13 @@ namespace detail {
 
 inline void validate_strides(const kv_strides& s, const paged_kv_view& c, const char* name) {
   const std::int64_t d = c.head_dim;
-  require(s.dim == 1, detail::format("cache.{}.dim", name),
+  require(s.dim == 1, detail::path("cache.{}.dim", name),
           "is {}; rows of {} {} elements must be contiguous (dim stride 1)", s.dim, d, name_of(c.type));
-  require(s.head >= d, detail::format("cache.{}.head", name), "is {}; must be at least head_dim {} so rows do not overlap",
+  require(s.head >= d, detail::path("cache.{}.head", name), "is {}; must be at least head_dim {} so rows do not overlap",
           s.head, d);
-  require(s.token >= d, detail::format("cache.{}.token", name), "is {}; must be at least head_dim {}", s.token, d);
+  require(s.token >= d, detail::path("cache.{}.token", name), "is {}; must be at least head_dim {}", s.token, d);
   const std::int64_t block_elems = std::int64_t{c.block_size} * c.num_kv_heads * d;
-  require(s.block >= block_elems, detail::format("cache.{}.block", name),
+  require(s.block >= block_elems, detail::path("cache.{}.block", name),
           "is {}; must be at least block_size * num_kv_heads * head_dim = {}", s.block, block_elems);
   // The rows of a block must not overlap one another: the smaller of the token and
   // head strides spans one row (checked above), the larger all rows of the smaller
@@ -39,11 +39,11 @@ inline void validate_strides(const kv_strides& s, const paged_kv_view& c, const 
   const bool token_inner = s.token <= s.head;
   const std::int64_t inner = token_inner ? s.token : s.head, inner_n = token_inner ? b : h;
   const std::int64_t outer = token_inner ? s.head : s.token, outer_n = token_inner ? h : b;
-  require(outer_n == 1 || outer >= (inner_n - 1) * inner + d, detail::format("cache.{}", name),
+  require(outer_n == 1 || outer >= (inner_n - 1) * inner + d, detail::path("cache.{}", name),
           "token stride {} and head stride {} make the rows of {} tokens x {} heads x {} elements overlap", s.token,
           s.head, b, h, d);
   const std::int64_t extent = (b - 1) * s.token + (h - 1) * s.head + d;
-  require(s.block >= extent, detail::format("cache.{}.block", name),
+  require(s.block >= extent, detail::path("cache.{}.block", name),
           "is {}; a block's rows span {} elements (token stride {}, head stride {})", s.block, extent, s.token, s.head);
 }
 
@@ -51,12 +51,12 @@ inline void validate_strides(const kv_strides& s, const paged_kv_view& c, const 
 // lives in device memory).
 inline void validate_bases(const layer_bases& b, const paged_kv_view& c, std::int32_t l0, std::int32_t l1,
                            const char* name, bool host_tables) {
-  require(b.valid(), detail::format("cache.{}", name), "has neither a base pointer nor a layer table (null)");
+  require(b.valid(), detail::path("cache.{}", name), "has neither a base pointer nor a layer table (null)");
   if (b.table && !host_tables) return;
   for (std::int32_t l = l0; l < l1; ++l) {
-    require(!b.table || b.table[l] != nullptr, detail::format("cache.{}.table[{}]", name, l), "is a null pointer");
+    require(!b.table || b.table[l] != nullptr, detail::path("cache.{}.table[{}]", name, l), "is a null pointer");
     const auto addr = reinterpret_cast<std::uintptr_t>(b.layer(l, c.type));
-    require(addr % static_cast<std::uintptr_t>(size_of(c.type)) == 0, detail::format("cache.{} layer {}", name, l),
+    require(addr % static_cast<std::uintptr_t>(size_of(c.type)) == 0, detail::path("cache.{} layer {}", name, l),
             "address {:#x} is not aligned to the {}-byte {} element", addr, size_of(c.type), name_of(c.type));
   }
 }
@@ -130,7 +130,7 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   auto check_aggregate = [&](const auto& a, const char* field) {
     using A = std::remove_cvref_t<decltype(a)>;
     if constexpr (SpatialAggregator<A>) {
-      require(a.kernel > 0 && a.kernel % 2 == 1, detail::format("pipeline.{}.kernel", field),
+      require(a.kernel > 0 && a.kernel % 2 == 1, detail::path("pipeline.{}.kernel", field),
               "is {}; a pooling kernel is odd and positive", a.kernel);
     }
   };
@@ -153,7 +153,7 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
   std::vector<bool> seen_seq(static_cast<std::size_t>(cache.num_seqs), false);
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
     const batch_item& it = batch.items[i];
-    const auto field = [&](const char* name) { return detail::format("batch[{}].{}", i, name); };
+    const auto field = [&](const char* name) { return detail::path("batch[{}].{}", i, name); };
     require(it.seq >= 0 && it.seq < cache.num_seqs, field("seq"), "is {}; the cache has {} sequences", it.seq,
             cache.num_seqs);
     require(!seen_seq[static_cast<std::size_t>(it.seq)], field("seq"), "is {}, which the batch names twice", it.seq);
@@ -161,15 +161,15 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
 
     const std::int32_t T = cache.lengths[it.seq];
     const std::int64_t capacity = cache.table.capacity(it.seq) * cache.block_size;
-    require(T >= 0 && T <= capacity, detail::format("cache.lengths[{}]", it.seq),
+    require(T >= 0 && T <= capacity, detail::path("cache.lengths[{}]", it.seq),
             "is {}; the block table holds room for {} tokens", T, capacity);
     const std::int32_t blocks = (T + cache.block_size - 1) / cache.block_size;
     for (std::int32_t b = 0; b < blocks; ++b) {
       const std::int32_t id = cache.table.block(it.seq, b);
-      require(id >= 0 && id < cache.num_blocks, detail::format("cache.table[seq {}][{}]", it.seq, b),
+      require(id >= 0 && id < cache.num_blocks, detail::path("cache.table[seq {}][{}]", it.seq, b),
               "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
       const auto [pos, fresh] = seq_of_block.emplace(id, it.seq);
-      require(fresh, detail::format("cache.table[seq {}][{}]", it.seq, b), "is block id {}, already used by seq {}", id,
+      require(fresh, detail::path("cache.table[seq {}][{}]", it.seq, b), "is block id {}, already used by seq {}", id,
               pos->second);
     }
 
