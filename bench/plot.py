@@ -99,7 +99,7 @@ def plot_tokens(plt, ctx, rows, refs, out_dir) -> str | None:
         for t, r in zip(tok, runs):
             sp = r.get("speedup")
             if sp:
-                ax.annotate(f"{sp:.0f}x" if sp >= 10 else f"{sp:.1f}x", (t, r["reference_ms"]),
+                ax.annotate(f"{sp:.1f}x", (t, r["reference_ms"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=8)
     seqs = kvp[0][1].get("seqs") if kvp else (refs[0].get("config", {}).get("seqs") if refs else None)
     ax.set_xlabel("tokens held per sequence (T)")
