@@ -93,9 +93,10 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
 
 // The similarities C(u, t) that red(t) leaves out (u's newest neighbour is t), summed
 // per t in 64-bit fixed point (2^-40) by shared-memory atomics: every row adds its own
-// at once, and the sum does not depend on their order. C of a row's newest neighbour
-// is over theta; any |C| of 2^-16 or more is exact in it, and 256 rows of |C| <= 1
-// stay far from the 2^63 bound.
+// at once, and the sum does not depend on their order (a walk by one warp behind a
+// barrier cost lightning 13% on keys with near-copies). Any |C| of 2^-16 or more (C of
+// a newest neighbour is over theta) is exact in it, and a cache block's rows of
+// |C| <= 1 stay far below the 2^63 bound.
 struct dropped_sums {
   unsigned long long* words;  // [rows], zero before the first add
   __device__ void clear(std::int32_t rows) const {
