@@ -340,8 +340,10 @@ struct cuda_executor {
             launch_row_tiles(cuda::full_columns_kernel<P>, cuda::full_tile, cuda::full_smem_floats(d) * sizeof(float), pv,
                              cache, rs, rowsum, newest, newest_c);
           }
-          launch_red(cuda::full_finish_kernel<P>, 1, std::size_t(rs.max_tokens) * sizeof(float), pv, cache, rs, rowsum,
-                    newest, newest_c, static_cast<const unsigned long long*>(packed), red_buf);
+          auto* dropped = reinterpret_cast<unsigned long long*>(ws + plan.dropped) + at;
+          launch_red(cuda::full_finish_kernel<P>, 1, 0, pv, cache, rs, static_cast<const float*>(rowsum),
+                     static_cast<const std::int32_t*>(newest), static_cast<const float*>(newest_c),
+                     static_cast<const unsigned long long*>(packed), dropped, red_buf);
         }
       }
     };
@@ -424,8 +426,8 @@ struct cuda_executor {
   }
 
   struct workspace_plan {
-    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, inv = 0, key_sums = 0, packed = 0, keep = 0,
-                rows_global = 0;
+    std::size_t scores = 0, red = 0, rowsum = 0, newest = 0, newest_c = 0, inv = 0, key_sums = 0, packed = 0, dropped = 0,
+                keep = 0, rows_global = 0;
     std::size_t ready = 0;
     std::size_t stats = 0;  // [rows][stats_per_row] float2: softmax statistics per cache block
     std::int64_t stats_per_row = 0;
@@ -465,6 +467,7 @@ struct cuda_executor {
         w.key_sums = take(static_cast<std::size_t>(rs.rows()) * cuda::tiles_per_row(rs.max_tokens, cuda::key_sum_span) *
                           static_cast<std::size_t>(head_dim) * sizeof(float));
         w.packed = take(cells * sizeof(unsigned long long));
+        w.dropped = take(cells * sizeof(unsigned long long));  // full_finish_kernel's dropped_sums
       }
     }
     if (!out.keep_masks) w.keep = take(cells);
@@ -534,9 +537,6 @@ struct cuda_executor {
       if constexpr (P::redundancy_type::pairs == redundancy::scope::full) {
         require(!mma_keys(cache) || cuda::full_mma_smem_bytes(cache.head_dim) <= limit, "cache.head_dim",
                 "is {}; a tile of keys exceeds {} bytes of shared memory", cache.head_dim, limit);
-        require(std::size_t(batch.max_tokens) * sizeof(float) <= limit, "batch.max_tokens",
-                "is {}; full redundancy gathers a row's dropped similarities in {} bytes of shared memory",
-                batch.max_tokens, limit);
         // The column kernels' flat grid: rows x tiles blocks in gridDim.x.
         const std::int64_t blocks = std::int64_t{batch.num_items} * (layers.end - layers.begin) * cache.num_kv_heads *
                                     cuda::tiles_per_row(batch.max_tokens, std::min(cuda::full_tile, cuda::full_mma_columns));

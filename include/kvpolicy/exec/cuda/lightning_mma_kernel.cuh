@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
   auto* inv = reinterpret_cast<float*>(keys + at(rows, 0));
   float* rowsum = inv + rows;
-  const dropped_sums dropped{reinterpret_cast<unsigned long long*>(rowsum + rows)};  // rows: a multiple of 16
+  const dropped_sums<> dropped{reinterpret_cast<unsigned long long*>(rowsum + rows)};  // rows: a multiple of 16
   dropped.clear(count);
 
   // Rows past count are zero, so the tiles past it add nothing.

@@ -92,11 +92,12 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
 }
 
 // The similarities C(u, t) that red(t) leaves out (u's newest neighbour is t), summed
-// per t in 64-bit fixed point (2^-40) by shared-memory atomics: every row adds its own
-// at once, and the sum does not depend on their order (a walk by one warp behind a
-// barrier cost lightning 13% on keys with near-copies). Any |C| of 2^-16 or more (C of
-// a newest neighbour is over theta) is exact in it, and a cache block's rows of
-// |C| <= 1 stay far below the 2^63 bound.
+// per t in 64-bit fixed point (2^-40) by atomics: every row adds its own at once, and
+// the sum does not depend on their order (an ordered walk by one warp behind a
+// barrier cost lightning 13% on keys with near-copies). Any |C| of 2^-16 or more (C of a newest neighbour is over theta) is exact in
+// it, and a row's |C| <= 1 stay far below the 2^63 bound. `words` in shared memory,
+// or (Global) in global memory, read back past L1 once a barrier follows the adds.
+template <bool Global = false>
 struct dropped_sums {
   unsigned long long* words;  // [rows], zero before the first add
   __device__ void clear(std::int32_t rows) const {
@@ -106,31 +107,14 @@ struct dropped_sums {
     atomicAdd(&words[t], static_cast<unsigned long long>(__float2ll_rn(c * 0x1p40f)));
   }
   __device__ float of(std::int32_t t) const {
-    return __ll2float_rn(static_cast<long long>(words[t])) * 0x1p-40f;
+    unsigned long long w;
+    if constexpr (Global)
+      w = __ldcg(words + t);
+    else
+      w = words[t];
+    return __ll2float_rn(static_cast<long long>(w)) * 0x1p-40f;
   }
 };
-
-// red(t) = rowsum(t) - C(u, t) for every u whose newest neighbour is t. Called by one
-// warp: u in chunks of 32, lanes naming the same t subtract in lane order, so the
-// result does not depend on scheduling. `sums` and `newest` are indexed from pos0.
-__device__ inline void subtract_dropped(float* sums, const std::int32_t* newest, const float* newest_c,
-                                        std::int32_t count, std::int32_t pos0) {
-  const std::int32_t lane = threadIdx.x % 32;
-  for (std::int32_t u0 = 0; u0 < count; u0 += 32) {
-    const std::int32_t u = u0 + lane;
-    const std::int32_t target = u < count ? newest[u] : -1;
-    const float c = u < count ? newest_c[u] : 0.0f;
-    const unsigned peers = __match_any_sync(0xffffffffu, target);
-    // Lanes without a neighbour (target -1) share one group and subtract nothing:
-    // they skip the fold, which would otherwise walk all of them.
-    if (target >= 0) {
-      float total = 0.0f;
-      for (unsigned m = peers; m; m &= m - 1) total += __shfl_sync(peers, c, __ffs(m) - 1);
-      if (lane == __ffs(peers) - 1) sums[target - pos0] -= total;
-    }
-    __syncwarp();
-  }
-}
 
 // One block per (row, cache block of b tokens): all pairs of the block in shared
 // memory; n = b. Writes red(t) / b / tau for the block's candidates.
@@ -152,7 +136,7 @@ __global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_vi
   float* keys = reinterpret_cast<float*>(smem4);
   float* inv = keys + std::size_t(b) * pitch;
   float* rowsum = inv + b;
-  const dropped_sums dropped{reinterpret_cast<unsigned long long*>(rowsum + b + (std::size_t(b) * (pitch + 2)) % 2)};
+  const dropped_sums<> dropped{reinterpret_cast<unsigned long long*>(rowsum + b + (std::size_t(b) * (pitch + 2)) % 2)};
   dropped.clear(count);
 
   load_rows(keys, count, d, pitch, cache.type,
@@ -279,38 +263,42 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 }
 
 // Full scope, second half: one block per row subtracts each u's dropped similarity
-// from its newest neighbour, in u order. `packed`: null, or the newest neighbours as
-// the tensor-core kernel leaves them (pack_newest: position + 1 above the
-// similarity's bits), which every thread unpacks into newest and newest_c first. That
-// pass also brings them in ahead of the one warp's walk: the walk reading the packed
-// words itself measured slower, full redundancy on 8 rows at T 18432 1.60 / 1.65 /
-// 1.66 -> 1.72 / 1.76 / 1.77 ms (e2e/gkv/A unchanged, 4.53 ms).
+// from its newest neighbour's row sum (dropped_sums in `dropped`, [rows][max_tokens]
+// words of the workspace). The newest neighbours come from `packed` (the tensor-core
+// kernel's pack_newest: position + 1 above the similarity's bits), or else from
+// newest and newest_c.
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                  const float* rowsum, std::int32_t* newest,
-                                                                  float* newest_c, const unsigned long long* packed,
-                                                                  float* red_out) {
-  extern __shared__ float4 smem4[];
+                                                                  const float* rowsum, const std::int32_t* newest,
+                                                                  const float* newest_c,
+                                                                  const unsigned long long* packed,
+                                                                  unsigned long long* dropped_words, float* red_out) {
   if (failed(rs)) return;
   const std::int64_t row = blockIdx.x;
   const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  float* drop = reinterpret_cast<float*>(smem4);
   const std::int64_t base = row * rs.max_tokens;
-  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
-    drop[t] = rowsum[base + t];
+  const dropped_sums<true> dropped{dropped_words + base};
+  dropped.clear(n);
+  __syncthreads();
+  for (std::int32_t u = threadIdx.x; u < n; u += blockDim.x) {
+    std::int32_t target;
+    float c;
     if (packed) {
-      const unsigned long long w = packed[base + t];
-      newest[base + t] = static_cast<std::int32_t>(w >> 32) - 1;
-      newest_c[base + t] = __uint_as_float(static_cast<unsigned>(w));
+      const unsigned long long w = packed[base + u];
+      target = static_cast<std::int32_t>(w >> 32) - 1;
+      c = __uint_as_float(static_cast<unsigned>(w));
+    } else {
+      target = newest[base + u];
+      c = newest_c[base + u];
     }
+    if (target >= 0) dropped.add(target, c);
   }
   __syncthreads();
-  if (threadIdx.x < 32) subtract_dropped(drop, newest + base, newest_c + base, n, 0);
-  __syncthreads();
   const float inv_n = 1.0f / static_cast<float>(n);
-  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) red_out[base + t] = drop[t] * inv_n / p.redundancy.tau;
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)
+    red_out[base + t] = (rowsum[base + t] - dropped.of(t)) * inv_n / p.redundancy.tau;
 }
 
 }  // namespace cuda
