@@ -331,8 +331,8 @@ struct cuda_executor {
             auto* key_sums = reinterpret_cast<float*>(ws + plan.key_sums) + row0 * spans * d;
             packed = reinterpret_cast<unsigned long long*>(ws + plan.packed) + at;
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch_red(cuda::key_norms_and_sums_kernel<P, Elem, HeadDim>, static_cast<unsigned>(spans), 0, pv, cache, rs,
-                         inv, key_sums, packed);
+              launch_red(cuda::key_norms_and_sums_kernel<P, Elem, HeadDim>, static_cast<unsigned>(spans),
+                         cuda::key_norms_smem_bytes(d), pv, cache, rs, inv, key_sums, packed);
               launch_row_tiles(cuda::full_pairs_mma_kernel<P, Elem, HeadDim>, cuda::full_mma_columns, smem, pv, cache, rs,
                                inv, key_sums, rowsum, packed);
             });
@@ -535,8 +535,9 @@ struct cuda_executor {
     }
     if constexpr (!std::same_as<typename P::redundancy_type, none>) {
       if constexpr (P::redundancy_type::pairs == redundancy::scope::full) {
-        require(!mma_keys(cache) || cuda::full_mma_smem_bytes(cache.head_dim) <= limit, "cache.head_dim",
-                "is {}; a tile of keys exceeds {} bytes of shared memory", cache.head_dim, limit);
+        require(!mma_keys(cache) || std::max(cuda::full_mma_smem_bytes(cache.head_dim),
+                                             cuda::key_norms_smem_bytes(cache.head_dim)) <= limit,
+                "cache.head_dim", "is {}; a tile of keys exceeds {} bytes of shared memory", cache.head_dim, limit);
         // The column kernels' flat grid: rows x tiles blocks in gridDim.x.
         const std::int64_t blocks = std::int64_t{batch.num_items} * (layers.end - layers.begin) * cache.num_kv_heads *
                                     cuda::tiles_per_row(batch.max_tokens, std::min(cuda::full_tile, cuda::full_mma_columns));

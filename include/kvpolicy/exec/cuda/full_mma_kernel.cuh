@@ -47,15 +47,25 @@ __device__ inline unsigned long long pack_newest(std::int32_t pos, float c) {
   return (static_cast<unsigned long long>(pos + 1) << 32) | __float_as_uint(c);
 }
 
+// Shared memory of key_norms_and_sums_kernel, in bytes: its span of keys, padded
+// rows of d + 8 (conflict-free reads of a 16-byte chunk by 8 adjacent rows).
+KVP_HOST_DEVICE constexpr std::size_t key_norms_smem_bytes(std::int32_t d) {
+  return std::size_t(key_sum_span) * (std::size_t(d) + 8) * 2;
+}
+
 // Per row, before full_pairs_mma_kernel: the inverse norm of every candidate key, a
 // thread per key (inverse_norm_16, the host's summation order); the sum of each 256
 // keys' normalised vectors inv_t k_t in fp32, in a fixed order, into
-// key_sums[row][blockIdx.y][d]; and the packed newest neighbours cleared. HeadDim: d
-// as a constant, or 0 (as for the other kernels).
+// key_sums[row][blockIdx.y][d]; and the packed newest neighbours cleared. The span's
+// keys are first copied to shared memory whole rows at a time: a thread reading its
+// own key from global memory touched one 16-byte chunk of each 32-byte sector per
+// load, and both passes read the keys. HeadDim: d as a constant, or 0 (as for the
+// other kernels).
 template <class P, dtype Elem, int HeadDim = 0>
 __global__ void __launch_bounds__(row_threads) key_norms_and_sums_kernel(P p, paged_kv_view cache, row_space rs,
                                                                          float* inv_out, float* key_sums,
                                                                          unsigned long long* newest_out) {
+  extern __shared__ uint4 smem16[];
   __shared__ float inv[key_sum_span];
   __shared__ float part[row_threads * 8];  // [groups][d]: one 8-element chunk per thread
   if (failed(rs)) return;
@@ -66,14 +76,18 @@ __global__ void __launch_bounds__(row_threads) key_norms_and_sums_kernel(P p, pa
   const std::int32_t t0 = static_cast<std::int32_t>(blockIdx.y) * key_sum_span;
   if (t0 >= n) return;  // the pairs kernel sums the spans below n only
   const std::int32_t count = min(key_sum_span, n - t0), tid = static_cast<std::int32_t>(threadIdx.x);
-  const auto key = [&](std::int32_t t) {
-    return reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head));
-  };
+  auto* keys = reinterpret_cast<std::uint16_t*>(smem16);
+  const padded_rows at{d + 8};
+  key_tile_loader(cache, rc.layer, it.seq, rc.head, at).copy(cache, keys, count, count, t0);
+  cp_async_commit();
+  if (tid < count) newest_out[row * rs.max_tokens + t0 + tid] = 0;
+  cp_async_wait<0>();
+  __syncthreads();
+  const auto key = [&](std::int32_t t) { return reinterpret_cast<const uint4*>(keys + at(t, 0)); };
   if (tid < count) {
-    const uint4* k = key(t0 + tid);
+    const uint4* k = key(tid);
     inv[tid] = inverse_norm_16<Elem, HeadDim>([&](std::int32_t v) { return k[v]; }, d, p.redundancy.eps);
     inv_out[row * rs.max_tokens + t0 + tid] = inv[tid];
-    newest_out[row * rs.max_tokens + t0 + tid] = 0;
   }
   __syncthreads();
   // Thread (group, chunk) sums chunk `chunk` of keys group, group + groups, ...; the
@@ -83,7 +97,7 @@ __global__ void __launch_bounds__(row_threads) key_norms_and_sums_kernel(P p, pa
     float acc[8] = {};
     for (std::int32_t t = group; t < count; t += groups) {
       float x[8];
-      widen8<Elem>(key(t0 + t)[chunk], x);
+      widen8<Elem>(key(t)[chunk], x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = fmaf(inv[t], x[i], acc[i]);
     }
