@@ -205,10 +205,13 @@ void near_duplicates(void* k, std::size_t blocks, std::int32_t b, std::int32_t h
   const std::size_t keys = blocks * b * heads;
   if (keys == 0 || fraction <= 0.0f) return;
   const auto grid = static_cast<unsigned>(std::min<std::size_t>((keys + 255) / 256, 65536));
+  const auto launch = [&](auto* typed) {
+    near_duplicates_kernel<<<grid, 256, 0, s>>>(typed, blocks, b, heads, d, seed, fraction);
+  };
   switch (type) {
-    case kvp::dtype::f16: near_duplicates_kernel<<<grid, 256, 0, s>>>(static_cast<__half*>(k), blocks, b, heads, d, seed, fraction); break;
-    case kvp::dtype::bf16: near_duplicates_kernel<<<grid, 256, 0, s>>>(static_cast<__nv_bfloat16*>(k), blocks, b, heads, d, seed, fraction); break;
-    default: near_duplicates_kernel<<<grid, 256, 0, s>>>(static_cast<float*>(k), blocks, b, heads, d, seed, fraction); break;
+    case kvp::dtype::f16: launch(static_cast<__half*>(k)); break;
+    case kvp::dtype::bf16: launch(static_cast<__nv_bfloat16*>(k)); break;
+    default: launch(static_cast<float*>(k)); break;
   }
   KVP_BENCH_CHECK(cudaGetLastError());
 }

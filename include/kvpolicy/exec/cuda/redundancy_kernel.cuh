@@ -94,9 +94,10 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
 // The similarities C(u, t) that red(t) leaves out (u's newest neighbour is t), summed
 // per t in 64-bit fixed point (2^-40) by atomics: every row adds its own at once, and
 // the sum does not depend on their order (an ordered walk by one warp behind a
-// barrier cost lightning 13% on keys with near-copies). Any |C| of 2^-16 or more (C of a newest neighbour is over theta) is exact in
-// it, and a row's |C| <= 1 stay far below the 2^63 bound. `words` in shared memory,
-// or (Global) in global memory, read back past L1 once a barrier follows the adds.
+// barrier cost lightning 13% on keys with near-copies). Any |C| of 2^-16 or more (C
+// of a newest neighbour is over theta) is exact in it, and a row's |C| <= 1 stay far
+// below the 2^63 bound. `words` in shared memory, or (Global) in global memory, read
+// back past L1 once a barrier follows the adds.
 template <bool Global = false>
 struct dropped_sums {
   unsigned long long* words;  // [rows], zero before the first add
@@ -263,10 +264,10 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 }
 
 // Full scope, second half: one block per row subtracts each u's dropped similarity
-// from its newest neighbour's row sum (dropped_sums in `dropped`, [rows][max_tokens]
-// words of the workspace). The newest neighbours come from `packed` (the tensor-core
-// kernel's pack_newest: position + 1 above the similarity's bits), or else from
-// newest and newest_c.
+// from its newest neighbour's row sum (dropped_sums over `dropped_words`,
+// [rows][max_tokens] words of the workspace). The newest neighbours come from
+// `packed` (the tensor-core kernel's pack_newest: position + 1 above the similarity's
+// bits), or else from newest and newest_c.
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
                                                                   const float* rowsum, const std::int32_t* newest,
