@@ -40,10 +40,11 @@ std::vector<float> redundancy_of(R r, test_cache& tc) {
   return s;
 }
 
-// `families` families of six near-copies (a key of the cache and five copies of it with
-// noise of up to 0.05 per element) at distinct random positions in [start, start +
-// span); `used` marks the positions taken.
-void plant_families(test_cache& tc, std::mt19937& rng, std::vector<bool>& used, int start, int span, int families) {
+// `families` families of copies + 1 near-copies (a key of the cache and `copies`
+// copies of it with noise of up to 0.05 per element) at distinct random positions in
+// [start, start + span); `used` marks the positions taken.
+void plant_families(test_cache& tc, std::mt19937& rng, std::vector<bool>& used, int start, int span, int families,
+                    int copies = 5) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   const auto fresh = [&] {
     int p = 0;
@@ -53,7 +54,7 @@ void plant_families(test_cache& tc, std::mt19937& rng, std::vector<bool>& used, 
   };
   for (int family = 0; family < families; ++family) {
     const auto base = tc.key(0, 0, fresh(), 0);
-    for (int copy = 0; copy < 5; ++copy) {
+    for (int copy = 0; copy < copies; ++copy) {
       auto k = base;
       for (float& x : k) x += 0.05f * u(rng);
       tc.set_key(0, 0, fresh(), 0, k);
@@ -286,4 +287,33 @@ TEST_CASE("redundancy: lightning, 128-dim bf16 keys in blocks of 256, families o
     CAPTURE(T);
     check_vec(redundancy_of(red::lightning{.tau = 0.01f}, tc), ref::redundancy(keys, T, 128, rp), 1e-3);
   }
+}
+
+TEST_CASE("redundancy: one family of 48 near-copies in a block, lightning and full") {
+  // Every older member names the newest member as its newest neighbour, so 47 dropped
+  // similarities meet in one key's sum (the executors add them in any order: the CUDA
+  // kernels by atomics in fixed point), and the newest names the second newest. With
+  // tau 0.05 one similarity missing from that sum, or dropped from the wrong key,
+  // moves red / tau by about 1 / 256 / 0.05 = 0.08, R by some 8%: relative to R, far
+  // past the 1e-3 the check allows (the newest's R is a few percent of a member's, so
+  // a tolerance in absolute terms would not see it).
+  const int T = 256;
+  std::mt19937 rng(5);
+  test_cache tc({.block_size = 256, .head_dim = 128, .type = kvp::dtype::bf16, .lengths = {T}, .seed = 3});
+  std::vector<bool> used(static_cast<std::size_t>(T), false);
+  plant_families(tc, rng, used, 0, T, 1, 47);
+  const auto keys = tc.keys(0, 0, 0);
+  ref::redundancy_params rp;
+  rp.tau = 0.05;
+  REQUIRE(ref::theta_margin(keys, T, 128, rp) > 1e-3);
+  const auto check_relative = [](const std::vector<float>& got, const std::vector<double>& want) {
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-3).scale(0.0));
+    }
+  };
+  check_relative(redundancy_of(red::full{.tau = 0.05f}, tc), ref::redundancy(keys, T, 128, rp));
+  rp.block = 256;
+  check_relative(redundancy_of(red::lightning{.tau = 0.05f}, tc), ref::redundancy(keys, T, 128, rp));
 }
