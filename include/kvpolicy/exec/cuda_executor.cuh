@@ -136,7 +136,8 @@ struct cuda_executor {
                     cuda::block_statistics_count(scorer_window(pv.scorer), queries.num_q_heads / cache.num_kv_heads)
               : 0;
     const auto plan =
-        plan_workspace<P>(rs, cache.head_dim, out, !rows_fit_in_shared_memory(batch.max_tokens), stats_per_row);
+        plan_workspace<P>(rs, cache.head_dim, out, !rows_fit_in_shared_memory(batch.max_tokens), stats_per_row,
+                          mma_keys(cache));
     if (temp == nullptr) {
       temp_bytes = plan.total;
       return cudaSuccess;
@@ -316,9 +317,10 @@ struct cuda_executor {
           }
         } else {
           auto* rowsum = reinterpret_cast<float*>(ws + plan.rowsum) + at;
-          auto* newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
-          auto* newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
-          unsigned long long* packed = nullptr;  // the tensor-core path's newest neighbours
+          // The newest neighbours: packed (tensor-core path) or newest and newest_c.
+          unsigned long long* packed = nullptr;
+          std::int32_t* newest = nullptr;
+          float* newest_c = nullptr;
           // A block per (row, column tile) on a flat grid, a row's tiles adjacent.
           const auto launch_row_tiles = [&](auto kernel, std::int32_t tile, std::size_t smem, auto... args) {
             launch(on.redundancy, false, kernel, rows * static_cast<unsigned>(cuda::tiles_per_row(rs.max_tokens, tile)), 1,
@@ -337,6 +339,8 @@ struct cuda_executor {
                                inv, key_sums, rowsum, packed);
             });
           } else {
+            newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
+            newest_c = reinterpret_cast<float*>(ws + plan.newest_c) + at;
             launch_row_tiles(cuda::full_columns_kernel<P>, cuda::full_tile, cuda::full_smem_floats(d) * sizeof(float), pv,
                              cache, rs, rowsum, newest, newest_c);
           }
@@ -444,7 +448,7 @@ struct cuda_executor {
 
   template <class P>
   static workspace_plan plan_workspace(const cuda::row_space& rs, std::int32_t head_dim, const device_result& out,
-                                       bool rows_global, std::int64_t stats_per_row) {
+                                       bool rows_global, std::int64_t stats_per_row, bool tensor_keys) {
     const std::size_t cells = static_cast<std::size_t>(rs.rows()) * static_cast<std::size_t>(rs.max_tokens);
     workspace_plan w;
     w.rows = rs.rows();
@@ -459,15 +463,19 @@ struct cuda_executor {
       w.red = take(cells * sizeof(float));
       if constexpr (P::redundancy_type::pairs == redundancy::scope::full) {
         w.rowsum = take(cells * sizeof(float));
-        w.newest = take(cells * sizeof(std::int32_t));
-        w.newest_c = take(cells * sizeof(float));
-        // The tensor-core path's inverse norms, partial key sums ([rows][spans of
-        // key_sum_span keys][d]) and packed newest neighbours.
-        w.inv = take(cells * sizeof(float));
-        w.key_sums = take(static_cast<std::size_t>(rs.rows()) * cuda::tiles_per_row(rs.max_tokens, cuda::key_sum_span) *
-                          static_cast<std::size_t>(head_dim) * sizeof(float));
-        w.packed = take(cells * sizeof(unsigned long long));
         w.dropped = take(cells * sizeof(unsigned long long));  // full_finish_kernel's dropped_sums
+        if (tensor_keys) {
+          // Inverse norms, partial key sums ([rows][spans of key_sum_span keys][d]) and
+          // packed newest neighbours.
+          w.inv = take(cells * sizeof(float));
+          w.key_sums = take(static_cast<std::size_t>(rs.rows()) *
+                            cuda::tiles_per_row(rs.max_tokens, cuda::key_sum_span) *
+                            static_cast<std::size_t>(head_dim) * sizeof(float));
+          w.packed = take(cells * sizeof(unsigned long long));
+        } else {
+          w.newest = take(cells * sizeof(std::int32_t));  // full_columns_kernel's newest neighbours
+          w.newest_c = take(cells * sizeof(float));
+        }
       }
     }
     if (!out.keep_masks) w.keep = take(cells);
