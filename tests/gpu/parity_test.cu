@@ -28,6 +28,14 @@ kvp::pipeline<S, A, R, Sel, kvp::none> without_layout(const kvp::pipeline<S, A, 
   return {p.scorer, p.aggregate, p.redundancy, p.select, {}, p.protect};
 }
 
+// The CUDA executor's options a parity run sets (the rest as a user gets them).
+struct executor_options {
+  bool tensor_cores = true;
+  std::int32_t overlap_groups = 0;  // 0: no overlap stream
+  bool statistics_in_redundancy = true;
+  std::int32_t full_pairs_rows = 0;
+};
+
 struct parity_report {
   std::int64_t tokens = 0, mask_mismatches = 0;
   double max_score_error = 0;
@@ -35,8 +43,7 @@ struct parity_report {
 
 template <class P>
 void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp::batch_item>& items,
-                  parity_report& rep, bool tensor_cores, std::int32_t overlap_groups = 0,
-                  bool statistics_in_redundancy = true) {
+                  parity_report& rep, executor_options opt = {}) {
   gpu_case c(cfg);
   const std::int32_t H = cfg.kv_heads, L = cfg.layers;
   std::int32_t max_tokens = 0;
@@ -52,17 +59,18 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   device_side dev(c);
   device_outputs out(items, max_tokens, L * H, c.max_blocks);
   kvp::cuda_executor cx;
-  cx.tensor_cores = tensor_cores;
-  cx.statistics_in_redundancy = statistics_in_redundancy;
+  cx.tensor_cores = opt.tensor_cores;
+  cx.statistics_in_redundancy = opt.statistics_in_redundancy;
+  cx.full_pairs_rows = opt.full_pairs_rows;
   // Overlap: redundancy on a second stream, item groups pipelined over the two.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
-  if (overlap_groups > 0) {
+  if (opt.overlap_groups > 0) {
     REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     for (auto& e : fork_join) REQUIRE_EQ(cudaSuccess, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     cx.overlap_stream = side;
     cx.overlap_events = fork_join;
-    cx.overlap_groups = overlap_groups;
+    cx.overlap_groups = opt.overlap_groups;
   }
   REQUIRE_EQ(cudaSuccess, out.run(cx, preset, dev));
   REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
@@ -136,7 +144,7 @@ int scaled(int cases) {
 
 template <class P>
 void run_random(const char* name, P preset, int cases, std::uint32_t seed0, parity_report& rep,
-                bool tensor_cores = true, std::int32_t overlap_groups = 0, bool statistics_in_redundancy = true) {
+                executor_options opt = {}) {
   std::mt19937 rng(seed0);
   cases = scaled(cases);
   const std::int32_t blocks[] = {16, 64, 256}, dims[] = {64, 128, 256}, groups[] = {1, 4, 8};
@@ -154,7 +162,7 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
     // 256-dim keys on the FMA kernels (fp32, or tensor cores off), or with groups of 8,
     // need more shared memory than the kernels have (an error the executor reports):
     // those cases take d 128.
-    if (cfg.head_dim == 256 && (!tensor_cores || cfg.type == kvp::dtype::f32 || cfg.q_heads / cfg.kv_heads > 4))
+    if (cfg.head_dim == 256 && (!opt.tensor_cores || cfg.type == kvp::dtype::f32 || cfg.q_heads / cfg.kv_heads > 4))
       cfg.head_dim = 128;
     cfg.window = 32;
     cfg.seed = rng();
@@ -177,7 +185,7 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
     std::shuffle(items.begin(), items.end(), rng);
     INFO(std::string(name), " case ", k, ": b ", b, " d ", cfg.head_dim, " h_kv ", cfg.kv_heads, " h_q ", cfg.q_heads, " ",
          kvp::name_of(cfg.type), " layout ", static_cast<int>(cfg.layout), " lengths ", cfg.lengths[0]);
-    check_parity(preset, cfg, items, rep, tensor_cores, overlap_groups, statistics_in_redundancy);
+    check_parity(preset, cfg, items, rep, opt);
   }
 }
 
@@ -207,17 +215,21 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   auto gkv_below_zero = kvp::presets::gkv{};
   gkv_below_zero.redundancy.theta = -0.25f;
   run_random("gkv/theta<0", gkv_below_zero, 10, 15, rep);
+  // Full redundancy's 128-key tiles, which devices without room for two blocks of the
+  // 256-key tiles per SM run (the H100 runs the 256-key tiles by default).
+  run_random("gkv/full_pairs_rows=128", kvp::presets::gkv{}, 20, 18, rep, {.full_pairs_rows = 128});
+  run_random("rkv/full_pairs_rows=128", kvp::presets::rkv{}, 10, 19, rep, {.full_pairs_rows = 128});
   // The score kernel's own statistics pass, where lightning would compute them.
-  run_random("zipage/statistics_in_score", kvp::presets::zipage{}, 30, 16, rep, true, 0, false);
+  run_random("zipage/statistics_in_score", kvp::presets::zipage{}, 30, 16, rep, {.statistics_in_redundancy = false});
   // Lightning's statistics over candidates that stop before the window (R-KV's scorer).
   auto before_window = kvp::presets::zipage{};
   before_window.scorer.keys_before_window = true;
   run_random("zipage/keys_before_window", before_window, 20, 17, rep);
-  run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, false);
-  run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, false);
-  run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, true, 3);
-  run_random("zipage/overlap1", kvp::presets::zipage{}, 15, 13, rep, true, 1);
-  run_random("rkv/overlap", kvp::presets::rkv{}, 15, 12, rep, true, 2);
+  run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, {.tensor_cores = false});
+  run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, {.tensor_cores = false});
+  run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, {.overlap_groups = 3});
+  run_random("zipage/overlap1", kvp::presets::zipage{}, 15, 13, rep, {.overlap_groups = 1});
+  run_random("rkv/overlap", kvp::presets::rkv{}, 15, 12, rep, {.overlap_groups = 2});
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences, max |score error| {:.3g}"), rep.tokens,
                       rep.mask_mismatches, rep.max_score_error));
 }
@@ -232,8 +244,8 @@ TEST_CASE("parity: rows whose size is not a power of two") {
     cfg.head_dim = d;
     cfg.type = type;
     INFO("d ", d, " ", kvp::name_of(type));
-    check_parity(kvp::presets::zipage{}, cfg, items, rep, true);
-    check_parity(kvp::presets::h2o{}, cfg, items, rep, true);
+    check_parity(kvp::presets::zipage{}, cfg, items, rep);
+    check_parity(kvp::presets::h2o{}, cfg, items, rep);
   }
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences"), rep.tokens,
                       rep.mask_mismatches));
@@ -250,10 +262,10 @@ TEST_CASE("parity: rows too long for shared memory take the global-memory epilog
   cfg.type = kvp::dtype::bf16;
   cfg.lengths = {128 * 256, 200};  // 32768 tokens: two floats per token exceed 227 KB
   const std::vector<kvp::batch_item> items{{0, 0, 127 * 256, 0}, {1, 1, 64, 0}};
-  check_parity(kvp::presets::zipage{}, cfg, items, rep, true);
+  check_parity(kvp::presets::zipage{}, cfg, items, rep);
   cfg.seed = 2;
   const std::vector<kvp::batch_item> again{{0, 0, 120 * 256, 127 * 256}};
-  check_parity(kvp::presets::zipage{}, cfg, again, rep, true);
+  check_parity(kvp::presets::zipage{}, cfg, again, rep);
   MESSAGE(fmt::format(fmt::runtime("{} tokens compared, {} near-tie mask differences"), rep.tokens,
                       rep.mask_mismatches));
 }

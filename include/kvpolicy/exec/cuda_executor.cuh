@@ -109,6 +109,12 @@ struct cuda_executor {
   // measured 1.67 ms, 2 / 3 / 4 groups 1.70 / 1.75 / 1.70, and one stream, chained with
   // row hand-offs (run_stages), 1.63: there the overlap does not pay.
   std::int32_t overlap_groups = 1;  // at least 1 when overlap_stream is set
+  // Keys u per block of full redundancy's tensor-core kernel, which streams the rest
+  // of the row's keys from L2 past them: 0 (default) takes 256 where two such blocks
+  // fit in an SM's shared memory (sm_90: 2 x 104 KB at d 128; half the L2 traffic of
+  // 128, e2e/gkv/A 4.41 -> 3.81 ms on the H100) and 128 elsewhere (sm_80, consumer
+  // parts); 128 or 256 asks for that size.
+  std::int32_t full_pairs_rows = 0;
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
@@ -127,6 +133,10 @@ struct cuda_executor {
               overlap_groups);
       require(overlap_stream != stream, "overlap_stream", "is the executor's stream; the overlap needs a second one");
     }
+    require(full_pairs_rows == 0 || full_pairs_rows == cuda::full_mma_columns(1) ||
+                full_pairs_rows == cuda::full_mma_columns(2),
+            "full_pairs_rows", "is {}; must be 0 (chosen per device), {} or {}", full_pairs_rows,
+            cuda::full_mma_columns(1), cuda::full_mma_columns(2));
 
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
                        batch.max_tokens, out.status};
@@ -327,7 +337,8 @@ struct cuda_executor {
                    smem, args...);
           };
           if (mma_keys(cache)) {
-            const auto smem = cuda::full_mma_smem_bytes(d);
+            const int groups = full_pairs_row_groups(d);
+            const auto smem = cuda::full_mma_smem_bytes(d, groups);
             auto* inv = reinterpret_cast<float*>(ws + plan.inv) + at;
             const auto spans = cuda::tiles_per_row(rs.max_tokens, cuda::key_sum_span);
             auto* key_sums = reinterpret_cast<float*>(ws + plan.key_sums) + row0 * spans * d;
@@ -335,8 +346,14 @@ struct cuda_executor {
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
               launch_red(cuda::key_norms_and_sums_kernel<P, Elem, HeadDim>, static_cast<unsigned>(spans),
                          cuda::key_norms_smem_bytes(d), pv, cache, rs, inv, key_sums, packed);
-              launch_row_tiles(cuda::full_pairs_mma_kernel<P, Elem, HeadDim>, cuda::full_mma_columns, smem, pv, cache, rs,
-                               inv, key_sums, rowsum, packed);
+              const auto pairs = [&]<int G>() {
+                launch_row_tiles(cuda::full_pairs_mma_kernel<P, Elem, HeadDim, G>, cuda::full_mma_columns(G), smem, pv,
+                                 cache, rs, inv, key_sums, rowsum, packed);
+              };
+              if (groups == 2)
+                pairs.template operator()<2>();
+              else
+                pairs.template operator()<1>();
             });
           } else {
             newest = reinterpret_cast<std::int32_t*>(ws + plan.newest) + at;
@@ -487,6 +504,20 @@ struct cuda_executor {
     return w;
   }
 
+  // Row groups of full_pairs_mma_kernel (full_pairs_rows / 128): two by default where
+  // two blocks of them fit on an SM, with the shared memory each block reserves.
+  int full_pairs_row_groups(std::int32_t d) const {
+    if (full_pairs_rows != 0) return full_pairs_rows / cuda::full_mma_columns(1);
+    int device = 0, per_sm = 0, reserved = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+    const std::size_t two = cuda::full_mma_smem_bytes(d, 2);
+    const bool fits = two <= static_cast<std::size_t>(shared_memory_limit()) &&
+                      2 * (two + static_cast<std::size_t>(reserved)) <= static_cast<std::size_t>(per_sm);
+    return fits ? 2 : 1;
+  }
+
   static int shared_memory_limit() {
     int device = 0, limit = 0;
     cudaGetDevice(&device);
@@ -543,12 +574,16 @@ struct cuda_executor {
     }
     if constexpr (!std::same_as<typename P::redundancy_type, none>) {
       if constexpr (P::redundancy_type::pairs == redundancy::scope::full) {
-        require(!mma_keys(cache) || std::max(cuda::full_mma_smem_bytes(cache.head_dim),
+        require(!mma_keys(cache) || std::max(cuda::full_mma_smem_bytes(cache.head_dim, 1),
                                              cuda::key_norms_smem_bytes(cache.head_dim)) <= limit,
                 "cache.head_dim", "is {}; a tile of keys exceeds {} bytes of shared memory", cache.head_dim, limit);
+        require(!mma_keys(cache) || full_pairs_rows != cuda::full_mma_columns(2) ||
+                    cuda::full_mma_smem_bytes(cache.head_dim, 2) <= limit,
+                "full_pairs_rows", "is {}; a tile of {} keys of {} dims exceeds {} bytes of shared memory",
+                full_pairs_rows, full_pairs_rows, cache.head_dim, limit);
         // The column kernels' flat grid: rows x tiles blocks in gridDim.x.
         const std::int64_t blocks = std::int64_t{batch.num_items} * (layers.end - layers.begin) * cache.num_kv_heads *
-                                    cuda::tiles_per_row(batch.max_tokens, std::min(cuda::full_tile, cuda::full_mma_columns));
+                                    cuda::tiles_per_row(batch.max_tokens, std::min(cuda::full_tile, cuda::full_mma_columns(1)));
         require(blocks <= 2147483647, "batch.num_items",
                 "is {}; full redundancy over rows of {} tokens would launch {} blocks, more than a grid holds",
                 batch.num_items, batch.max_tokens, blocks);

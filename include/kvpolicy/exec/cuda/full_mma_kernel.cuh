@@ -27,7 +27,11 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-inline constexpr int full_mma_columns = 16 * (row_threads / 32);  // one 16-row tile per warp
+// Keys u per block: each warp takes `row_groups` 16-row tiles, full_mma_group_rows
+// apart. Two groups halve the key tiles streamed from L2 (each serves 256 rows, not
+// 128: e2e/gkv/A 4.41 -> 3.81 ms on the H100), where two such blocks fit on an SM.
+inline constexpr int full_mma_group_rows = 16 * (row_threads / 32);
+KVP_HOST_DEVICE constexpr std::int32_t full_mma_columns(int row_groups) { return full_mma_group_rows * row_groups; }
 inline constexpr int full_mma_keys = 64;                           // keys v per streamed tile
 // Keys per partial key sum: those of one block of key_norms_and_sums_kernel.
 inline constexpr int key_sum_span = row_threads;
@@ -35,8 +39,8 @@ inline constexpr int key_sum_span = row_threads;
 // Shared memory, in bytes, enough for either path: the column tile and two key tiles
 // (16-bit; mma.sync: [.][d + 8]; wgmma: core matrices), the inverse norms of the
 // columns and of both key tiles, and the row's key sum.
-KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d) {
-  const std::size_t rows = full_mma_columns + 2 * full_mma_keys;
+KVP_HOST_DEVICE constexpr std::size_t full_mma_smem_bytes(std::int32_t d, int row_groups) {
+  const std::size_t rows = std::size_t(full_mma_columns(row_groups)) + 2 * full_mma_keys;
   return rows * (std::size_t(d) + 8) * 2 + rows * 4 + std::size_t(d) * 4;
 }
 
@@ -139,11 +143,15 @@ __device__ inline void newest_rows_of_columns(const std::uint32_t (&mask)[2], co
 }
 
 // HeadDim: d as a constant or 0. A constant unrolls gram_tile's loop (mma.sync) and
-// copies whole key tiles without bound tests.
-template <class P, dtype Elem, int HeadDim = 0>
-__global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                     const float* inv, const float* key_sums,
-                                                                     float* rowsum_out, unsigned long long* newest_out) {
+// copies whole key tiles without bound tests. RowGroups: 1 or 2 (full_mma_columns);
+// with 2 the accumulators of both tiles take 124 registers, so two blocks per SM.
+template <class P, dtype Elem, int HeadDim = 0, int RowGroups = 1>
+__global__ void __launch_bounds__(row_threads, RowGroups == 1 ? 3 : 2)
+    full_pairs_mma_kernel(P p, paged_kv_view cache, row_space rs, const float* inv, const float* key_sums,
+                          float* rowsum_out, unsigned long long* newest_out) {
+  static_assert(RowGroups == 1 || RowGroups == 2);
+  constexpr int G = RowGroups;
+  constexpr std::int32_t full_mma_columns = cuda::full_mma_columns(G);
   extern __shared__ uint4 smem16[];
   if (failed(rs)) return;
   const key_tile_block kb = decode_key_tile_block(p, cache, rs, full_mma_columns);
@@ -193,12 +201,20 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
     }
   }
 
-  const std::int32_t m0 = warp * 16;
-  const std::int32_t u[2] = {m0 + lane / 4, m0 + lane / 4 + 8};
+  // The warp's 16-row tiles (group g: rows m0[g] on), and the lane's two rows of each.
+  std::int32_t m0[G], u[G][2];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m0[g] = g * full_mma_group_rows + warp * 16;
+    u[g][0] = m0[g] + lane / 4;
+    u[g][1] = m0[g] + lane / 4 + 8;
+  }
   // Per row: theta / inv_u (an element is over theta when acc * inv_v exceeds it), the
   // newest column over theta and its acc * inv_v.
-  float over[2] = {0.0f, 0.0f}, near_x[2] = {0.0f, 0.0f};
-  std::int32_t near[2] = {-1, -1};
+  float over[G][2] = {}, near_x[G][2] = {};
+  std::int32_t near[G][2];
+#pragma unroll
+  for (int g = 0; g < G; ++g) near[g][0] = near[g][1] = -1;
 
   // One barrier per key tile: it publishes the tile (and its norms) and tells that
   // every warp is done with the other buffer, which the next tile's copy, issued
@@ -213,7 +229,9 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
     const float* v_inv = v_inv_base + buf * full_mma_keys;
     if (v_pos0 == u_pos0)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) over[h] = u[h] < u_count ? theta / u_inv[u[h]] : __builtin_huge_valf();
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) over[g][h] = u[g][h] < u_count ? theta / u_inv[u[g][h]] : __builtin_huge_valf();
     const std::int32_t j = static_cast<std::int32_t>(threadIdx.x);
     const float next_inv = j < full_mma_keys && next + j < n ? row_inv[next + j] : 0.0f;
     const auto copy_next = [&] {
@@ -223,40 +241,48 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
     };
     // The rows' newest columns in this tile (later tiles are newer), and, past the
     // block's own tile, the columns' newest rows.
-    const auto fold = [&](const float (&acc)[8][4]) {
+    const auto fold = [&](int g, const float (&acc)[8][4]) {
       std::uint32_t mask[2] = {0u, 0u};
-      over_theta_tile(mask, acc, v_inv, over, v_count, u_pos0 + m0 - v_pos0, theta);
+      over_theta_tile(mask, acc, v_inv, over[g], v_count, u_pos0 + m0[g] - v_pos0, theta);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         if (mask[h] != 0u) {
           const std::int32_t bit = 31 - __clz(static_cast<int>(mask[h]));
-          near[h] = v_pos0 + mask_column(bit);
-          near_x[h] = masked_similarity(acc, v_inv, h, bit);
+          near[g][h] = v_pos0 + mask_column(bit);
+          near_x[g][h] = masked_similarity(acc, v_inv, h, bit);
         }
       if (v_pos0 >= u_pos0 + full_mma_columns && __any_sync(0xffffffffu, (mask[0] | mask[1]) != 0u))
-        newest_rows_of_columns(mask, acc, v_inv, u_inv + m0, u_pos0 + m0, v_pos0, row_newest);
+        newest_rows_of_columns(mask, acc, v_inv, u_inv + m0[g], u_pos0 + m0[g], v_pos0, row_newest);
     };
-    float acc[8][4];
+    float acc[G][8][4];
 #if KVP_CUDA_WGMMA
-    // The warpgroup issues together (warps past the rows only skip the fold); the
-    // next tile's copy is issued while the MMAs run, in the same branch (ptxas waits
-    // for them where branches join).
-    if (warp_uniform(warp / 4 * 64) < u_count) {
-      wgmma_gram_issue<Elem, gram_tile_columns>(acc, us + at(warp / 4 * 64, 0), vs, d);
+    // The warpgroup issues together (warps past the rows only skip the fold), every
+    // group's MMAs before it waits (rows past u_count are zero); the next tile's copy
+    // is issued while the MMAs run, in the same branch (ptxas waits for them where
+    // branches join).
+    const std::int32_t wg_row = warp_uniform(warp / 4 * 64);
+    if (wg_row < u_count) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) wgmma_gram_issue<Elem, gram_tile_columns>(acc[g], us + at(g * full_mma_group_rows + wg_row, 0), vs, d);
       copy_next();
-      wgmma_gram_wait(acc);
-      if (m0 < u_count) fold(acc);
+#pragma unroll
+      for (int g = 0; g < G; ++g) wgmma_gram_wait(acc[g]);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        if (m0[g] < u_count) fold(g, acc[g]);
     } else {
       copy_next();
     }
 #else
     copy_next();
-    if (m0 < u_count) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-      gram_tile<Elem, HeadDim>(acc, us + at(m0, 0), vs, full_mma_keys, d, at.pitch);
-      fold(acc);
-    }
+    for (int g = 0; g < G; ++g)
+      if (m0[g] < u_count) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i][0] = acc[g][i][1] = acc[g][i][2] = acc[g][i][3] = 0.0f;
+        gram_tile<Elem, HeadDim>(acc[g], us + at(m0[g], 0), vs, full_mma_keys, d, at.pitch);
+        fold(g, acc[g]);
+      }
 #endif
     if (j < full_mma_keys) v_inv_base[(buf ^ 1) * full_mma_keys + j] = next_inv;  // the other buffer: free
   }
@@ -266,31 +292,34 @@ __global__ void __launch_bounds__(row_threads, 3) full_pairs_mma_kernel(P p, pag
   // key sum; and the newest of the quad's columns, into the packed newest neighbour.
   const std::int32_t q = lane % 4, chunks = d / 8;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const bool real = u[h] < u_count;
-    const float inv_u = real ? u_inv[u[h]] : 0.0f;
-    float sum = 0.0f;
-    for (std::int32_t c = q; real && c < chunks; c += 4) {
-      float k[8];
-      widen8<Elem>(*reinterpret_cast<const uint4*>(us + at(u[h], c)), k);
+  for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum = fmaf(k[i], fmaf(-inv_u, k[i], key_sum[c * 8 + i]), sum);
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    std::int32_t nr = near[h];
-    float nx = near_x[h];
+    for (int h = 0; h < 2; ++h) {
+      const std::int32_t r = u[g][h];
+      const bool real = r < u_count;
+      const float inv_u = real ? u_inv[r] : 0.0f;
+      float sum = 0.0f;
+      for (std::int32_t c = q; real && c < chunks; c += 4) {
+        float k[8];
+        widen8<Elem>(*reinterpret_cast<const uint4*>(us + at(r, c)), k);
 #pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, nr, o);
-      const float x2 = __shfl_xor_sync(0xffffffffu, nx, o);
-      if (n2 > nr) nr = n2, nx = x2;
+        for (int i = 0; i < 8; ++i) sum = fmaf(k[i], fmaf(-inv_u, k[i], key_sum[c * 8 + i]), sum);
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      std::int32_t nr = near[g][h];
+      float nx = near_x[g][h];
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        const std::int32_t n2 = __shfl_xor_sync(0xffffffffu, nr, o);
+        const float x2 = __shfl_xor_sync(0xffffffffu, nx, o);
+        if (n2 > nr) nr = n2, nx = x2;
+      }
+      if (q == 0 && real) {
+        rowsum_out[row * rs.max_tokens + u_pos0 + r] = inv_u * sum;
+        if (nr >= 0) atomicMax(row_newest + u_pos0 + r, pack_newest(nr, nx * inv_u));
+      }
     }
-    if (q == 0 && real) {
-      rowsum_out[row * rs.max_tokens + u_pos0 + u[h]] = inv_u * sum;
-      if (nr >= 0) atomicMax(row_newest + u_pos0 + u[h], pack_newest(nr, nx * inv_u));
-    }
-  }
 }
 
 }  // namespace cuda
