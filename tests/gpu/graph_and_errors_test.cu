@@ -146,8 +146,9 @@ TEST_CASE("malformed shapes throw before any launch") {
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, bad, dev.queries, dev.scores,
                                                 out.batch, out.result),
                   kvp::error);
-  // The overlap option: events, a group count and a second stream, each named.
-  const auto overlap_error = [&](const kvp::cuda_executor& ex, const char* field) {
+  // The executor's options: the overlap's events, group count and second stream, and
+  // full redundancy's tile of keys (128 or 256, or 0: chosen per device), each named.
+  const auto option_error = [&](const kvp::cuda_executor& ex, const char* field) {
     try {
       (void)ex.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, dev.scores, out.batch, out.result);
       FAIL("compress() did not throw for ", field);
@@ -159,10 +160,11 @@ TEST_CASE("malformed shapes throw before any launch") {
   cudaStream_t side;
   cudaEvent_t fork_join[2] = {};
   REQUIRE_EQ(cudaSuccess, cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  overlap_error({.overlap_stream = side}, "overlap_events");
-  overlap_error({.overlap_stream = side, .overlap_events = fork_join, .overlap_groups = 0}, "overlap_groups");
-  overlap_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
+  option_error({.overlap_stream = side}, "overlap_events");
+  option_error({.overlap_stream = side, .overlap_events = fork_join, .overlap_groups = 0}, "overlap_groups");
+  option_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
   cudaStreamDestroy(side);
+  option_error({.full_pairs_rows = 100}, "full_pairs_rows");
   // Full redundancy launches a block per (row, 64-key tile) in one grid dimension:
   // a batch that would need more blocks than it holds is refused, naming the count.
   auto huge = out.batch;

@@ -115,13 +115,13 @@ std::vector<double> expected_redundancy(const std::vector<planted_key>& keys, in
 // R from the CUDA executor alone: no scorer, lambda 0 in the weighted form, so the
 // final score is -R (as in tests/unit/test_redundancy.cpp).
 template <class R>
-std::vector<float> device_redundancy(R r, kvp_test::test_cache& tc) {
+std::vector<float> device_redundancy(R r, kvp_test::test_cache& tc, const kvp::cuda_executor& ex = {}) {
   kvp::pipeline<none, none, R, none, none> p;
   r.lambda = 0.0f;
   r.form = red::combine_form::weighted;
   p.redundancy = r;
   p.protect = {.window = 0, .sinks = 0};
-  auto s = kvp_test::run_cuda(p, tc, {{.seq = 0, .budget = tc.length(0)}}, 0, 0).scores[0];
+  auto s = kvp_test::run_cuda(p, tc, {{.seq = 0, .budget = tc.length(0)}}, 0, 0, ex).scores[0];
   for (float& x : s) x = -x;
   return s;
 }
@@ -170,7 +170,12 @@ TEST_CASE("redundancy on a row of 60000 tokens: full and lightning against a clo
   const auto keys = plant(tc, T, 17);
   SUBCASE("full") {
     // tau 0.001: a family's 1,900 members give red / tau a spread of several units.
-    check_relative(device_redundancy(red::full{.tau = 0.001f}, tc), expected_redundancy(keys, 0, 0.001));
+    // Both tile sizes of the tensor-core kernel (full_pairs_rows).
+    const auto want = expected_redundancy(keys, 0, 0.001);
+    for (const int rows : {128, 256}) {
+      CAPTURE(rows);
+      check_relative(device_redundancy(red::full{.tau = 0.001f}, tc, {.full_pairs_rows = rows}), want);
+    }
   }
   SUBCASE("lightning") {
     check_relative(device_redundancy(red::lightning{.tau = 0.01f}, tc), expected_redundancy(keys, 256, 0.01));

@@ -62,11 +62,11 @@ inline table_scorer for_device(const table_scorer& s, std::vector<thrust::device
   return {thrust::raw_pointer_cast(tables.back().data())};
 }
 
-// Runs p on the CUDA executor over a device copy of `tc`, copies K, V and F back into
-// `tc`, and returns the results in the host executor's form.
+// Runs p on the CUDA executor `ex` over a device copy of `tc`, copies K, V and F back
+// into `tc`, and returns the results in the host executor's form.
 template <class P>
 kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin,
-                          i32 layer_count) {
+                          i32 layer_count, const kvp::cuda_executor& ex = {}) {
   const i32 n = static_cast<i32>(items.size()), H = tc.kv_heads();
   const i32 layers = layer_count == 0 ? tc.num_layers() - layer_begin : layer_count;
   i32 max_tokens = 1;
@@ -92,7 +92,6 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
                                thrust::raw_pointer_cast(keep.data()),
                                thrust::raw_pointer_cast(scores.data())};
 
-  const kvp::cuda_executor ex{};
   std::size_t bytes = 0;
   REQUIRE(cudaSuccess == ex.compress(nullptr, bytes, on_device, dev.cache(), dev.queries(), dev.scores(), batch, out));
   thrust::device_vector<std::byte> temp(std::max<std::size_t>(bytes, 1));
