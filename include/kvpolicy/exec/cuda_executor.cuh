@@ -112,7 +112,7 @@ struct cuda_executor {
   // Keys u per block of full redundancy's tensor-core kernel, which streams the rest
   // of the row's keys from L2 past them: 0 (default) takes 256 where two such blocks
   // fit in an SM's shared memory (sm_90: 2 x 104 KB at d 128; half the L2 traffic of
-  // 128, e2e/gkv/A 4.41 -> 3.77 ms on the H100) and the launch still gives each SM
+  // 128, e2e/gkv/A 4.41 -> 3.80 ms on the H100) and the launch still gives each SM
   // two, else 128 (sm_80, consumer parts, few rows); 128 or 256 asks for that size.
   std::int32_t full_pairs_rows = 0;
 
