@@ -586,8 +586,9 @@ struct cuda_executor {
                 "full_pairs_rows", "is {}; a tile of {} keys of {} dims exceeds {} bytes of shared memory",
                 full_pairs_rows, full_pairs_rows, cache.head_dim, limit);
         // The column kernels' flat grid: rows x tiles blocks in gridDim.x.
+        const std::int32_t smallest_tile = std::min(cuda::full_tile, cuda::full_mma_columns(1));
         const std::int64_t blocks = std::int64_t{batch.num_items} * (layers.end - layers.begin) * cache.num_kv_heads *
-                                    cuda::tiles_per_row(batch.max_tokens, std::min(cuda::full_tile, cuda::full_mma_columns(1)));
+                                    cuda::tiles_per_row(batch.max_tokens, smallest_tile);
         require(blocks <= 2147483647, "batch.num_items",
                 "is {}; full redundancy over rows of {} tokens would launch {} blocks, more than a grid holds",
                 batch.num_items, batch.max_tokens, blocks);

@@ -263,7 +263,8 @@ __global__ void __launch_bounds__(row_threads, RowGroups == 1 ? 3 : 2)
     const std::int32_t wg_row = warp_uniform(warp / 4 * 64);
     if (wg_row < u_count) {
 #pragma unroll
-      for (int g = 0; g < G; ++g) wgmma_gram_issue<Elem, gram_tile_columns>(acc[g], us + at(g * full_mma_group_rows + wg_row, 0), vs, d);
+      for (int g = 0; g < G; ++g)
+        wgmma_gram_issue<Elem, gram_tile_columns>(acc[g], us + at(g * full_mma_group_rows + wg_row, 0), vs, d);
       copy_next();
 #pragma unroll
       for (int g = 0; g < G; ++g) wgmma_gram_wait(acc[g]);
