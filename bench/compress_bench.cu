@@ -152,12 +152,15 @@ __device__ inline std::uint64_t splitmix64(std::uint64_t x) {
 }
 
 // p[i] = lo + (hi - lo) * u(seed, i), u uniform in [0, 1), stored as `type`.
+// Element i of the uniform stream `seed`, in [0, 1).
+__device__ inline float uniform01(std::uint64_t seed, std::uint64_t i) {
+  return static_cast<float>(splitmix64(seed * 0xD1B54A32D192ED03ull + i) >> 40) * (1.0f / 16777216.0f);
+}
+
 __global__ void fill_uniform_kernel(void* p, std::size_t n, kvp::dtype type, std::uint64_t seed, float lo, float hi) {
   const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const std::uint64_t h = splitmix64(seed * 0xD1B54A32D192ED03ull + i);
-    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
-    const float v = lo + (hi - lo) * u;
+    const float v = lo + (hi - lo) * uniform01(seed, i);
     switch (type) {
       case kvp::dtype::f16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
       case kvp::dtype::bf16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
@@ -171,11 +174,6 @@ void fill_uniform(void* p, std::size_t n, kvp::dtype type, std::uint64_t seed, f
   const std::size_t blocks = std::min<std::size_t>((n + 255) / 256, 65536);
   fill_uniform_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p, n, type, seed, lo, hi);
   KVP_BENCH_CHECK(cudaGetLastError());
-}
-
-// u(seed, i) of fill_uniform_kernel, in [0, 1).
-__device__ inline float uniform01(std::uint64_t seed, std::uint64_t i) {
-  return static_cast<float>(splitmix64(seed * 0xD1B54A32D192ED03ull + i) >> 40) * (1.0f / 16777216.0f);
 }
 
 // Near-duplicate keys, as bench/reference/zipage_reference.py makes them: in a K half

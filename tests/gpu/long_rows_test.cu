@@ -22,7 +22,6 @@
 
 namespace {
 
-using kvp::none;
 namespace red = kvp::redundancy;
 
 constexpr int family_dims = 4;
@@ -113,16 +112,11 @@ std::vector<double> expected_redundancy(const std::vector<planted_key>& keys, in
   return kvp_test::ref::softmax(sum);
 }
 
-// R from the CUDA executor alone: no scorer, lambda 0 in the weighted form, so the
-// final score is -R (as in tests/unit/test_redundancy.cpp).
+// R from the CUDA executor alone (kvp_test::redundancy_alone: the final score is -R).
 template <class R>
 std::vector<float> device_redundancy(R r, kvp_test::test_cache& tc, const kvp::cuda_executor& ex = {}) {
-  kvp::pipeline<none, none, R, none, none> p;
-  r.lambda = 0.0f;
-  r.form = red::combine_form::weighted;
-  p.redundancy = r;
-  p.protect = {.window = 0, .sinks = 0};
-  auto s = kvp_test::run_cuda(p, tc, {{.seq = 0, .budget = tc.length(0)}}, 0, 0, ex).scores[0];
+  auto s = kvp_test::run_cuda(kvp_test::redundancy_alone(r), tc, {{.seq = 0, .budget = tc.length(0)}}, 0, 0, ex)
+               .scores[0];
   for (float& x : s) x = -x;
   return s;
 }

@@ -24,4 +24,16 @@ struct first_element_scorer {
 };
 static_assert(kvp::KeyScorer<first_element_scorer>);
 
+// A pipeline whose final score is exactly -R for redundancy r (no scorer, so S = 0;
+// lambda 0 in the weighted form; nothing protected): R read back through an executor.
+template <class R>
+kvp::pipeline<kvp::none, kvp::none, R, kvp::none, kvp::none> redundancy_alone(R r) {
+  kvp::pipeline<kvp::none, kvp::none, R, kvp::none, kvp::none> p;
+  r.lambda = 0.0f;
+  r.form = kvp::redundancy::combine_form::weighted;
+  p.redundancy = r;
+  p.protect = {.window = 0, .sinks = 0};
+  return p;
+}
+
 }  // namespace kvp_test

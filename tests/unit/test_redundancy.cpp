@@ -26,16 +26,10 @@ test_cache with_keys(const keys2& k, int b = 4) {
   return tc;
 }
 
-// R = softmax(red / tau), read back through the executor: with no scorer (S = 0) and
-// lambda 0 in the weighted form the final score is exactly -R.
+// R = softmax(red / tau), read back through the executor (kvp_test::redundancy_alone).
 template <class R>
 std::vector<float> redundancy_of(R r, test_cache& tc) {
-  kvp::pipeline<none, none, R, none, none> p;
-  r.lambda = 0.0f;
-  r.form = red::combine_form::weighted;
-  p.redundancy = r;
-  p.protect = {.window = 0, .sinks = 0};
-  auto s = kvp_test::run(p, tc, {{.seq = 0, .budget = tc.length(0)}}).scores[0];
+  auto s = kvp_test::run(kvp_test::redundancy_alone(r), tc, {{.seq = 0, .budget = tc.length(0)}}).scores[0];
   for (float& x : s) x = -x;
   return s;
 }
