@@ -681,6 +681,15 @@ void register_all() {
     add_row("scale_tokens/zipage/" + std::to_string(s.tokens()), kvp::presets::zipage{}, s, row_kind::e2e, 20);
   }
 
+  // Head dims other than configuration A's 128: 64 runs kernels built for it, as 128
+  // does; 96 and 256 those that read the head dim at run time.
+  for (int d : {64, 96, 256}) {
+    shape s = a;
+    s.head_dim = d;
+    add_row("head_dim/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::e2e, 20);
+    add_row("head_dim/gkv/" + std::to_string(d), kvp::presets::gkv{}, s, row_kind::e2e, 3);
+  }
+
   // Lightning vs full redundancy as tokens grow: the redundancy stage alone. Full is
   // quadratic, so it runs on 1 sequence and 1 layer (8 rows); lightning runs on the
   // same shape, and on configuration A's 16 sequences x 8 layers (batched).

@@ -427,7 +427,7 @@ struct cuda_executor {
   }
 
   bool mma_keys(const paged_kv_view& cache) const {
-    return tensor_cores && cache.type != dtype::f32 && cuda::row_groups_fit(cache.head_dim);
+    return tensor_cores && cache.type != dtype::f32 && cuda::mma_head_dim(cache.head_dim);
   }
   bool mma_scores(const paged_kv_view& cache, const query_window_view& queries) const {
     return mma_keys(cache) && queries.type == cache.type;

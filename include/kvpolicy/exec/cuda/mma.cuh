@@ -59,14 +59,16 @@ __device__ inline void cp_async_wait() {
 }
 
 // Lanes that share one row of d 16-bit elements (d / 8 chunks of 16 bytes): the
-// whole warp for long rows, else one lane per chunk. The tensor-core path requires
-// d / 8 to be a power of two or a multiple of 32, so groups never straddle a warp.
-__device__ inline std::int32_t lanes_per_row(std::int32_t d) { return d / 8 < 32 ? d / 8 : 32; }
-
-KVP_HOST_DEVICE constexpr bool row_groups_fit(std::int32_t d) {
-  const std::int32_t vecs = d / 8;
-  return d % 16 == 0 && (vecs >= 32 ? vecs % 32 == 0 : (vecs & (vecs - 1)) == 0);
+// largest power of two that divides d / 8, at most 32, so that groups never straddle
+// a warp and every lane of a group copies as many chunks (d 128: 16 lanes of one
+// chunk each; d 96: 4 lanes of three).
+__device__ inline std::int32_t lanes_per_row(std::int32_t d) {
+  const std::int32_t vecs = d / 8, pow2 = vecs & -vecs;
+  return pow2 < 32 ? pow2 : 32;
 }
+
+// Head dims the tensor-core kernels take: MMAs step through d 16 elements at a time.
+KVP_HOST_DEVICE constexpr bool mma_head_dim(std::int32_t d) { return d > 0 && d % 16 == 0; }
 
 // Where chunk c (16 bytes, 8 elements) of row r of a tile of 16-bit rows lives in
 // shared memory, as an element offset. padded_rows: row-major with a pitch of

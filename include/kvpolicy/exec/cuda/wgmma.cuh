@@ -161,19 +161,22 @@ __device__ inline void wgmma_gram_issue(float (&acc)[N / 8][4], const std::uint1
                                         std::int32_t d) {
   const wgmma_descriptor da(a, d), db(b, d);
   wgmma_fence_operands(acc);
-  // Unrolled: in a loop with a run-time count, ptxas waits for each MMA before
-  // issuing the next. Head dims past 256 (rare) take that slower loop.
-  switch (d) {
-    case 16: wgmma_gram_steps<Elem, N, 1>(acc, da, db); break;
-    case 32: wgmma_gram_steps<Elem, N, 2>(acc, da, db); break;
-    case 64: wgmma_gram_steps<Elem, N, 4>(acc, da, db); break;
-    case 128: wgmma_gram_steps<Elem, N, 8>(acc, da, db); break;
-    case 256: wgmma_gram_steps<Elem, N, 16>(acc, da, db); break;
+  // Unrolled for every head dim up to 256 (a branch per step count): in a loop with
+  // a run-time count, ptxas waits for each MMA before issuing the next. Head dims
+  // past 256 (rare) take that slower loop.
+#define KVP_WGMMA_STEPS(s) \
+  case s: wgmma_gram_steps<Elem, N, s>(acc, da, db); break;
+  switch (d / 16) {
+    KVP_WGMMA_STEPS(1) KVP_WGMMA_STEPS(2) KVP_WGMMA_STEPS(3) KVP_WGMMA_STEPS(4)
+    KVP_WGMMA_STEPS(5) KVP_WGMMA_STEPS(6) KVP_WGMMA_STEPS(7) KVP_WGMMA_STEPS(8)
+    KVP_WGMMA_STEPS(9) KVP_WGMMA_STEPS(10) KVP_WGMMA_STEPS(11) KVP_WGMMA_STEPS(12)
+    KVP_WGMMA_STEPS(13) KVP_WGMMA_STEPS(14) KVP_WGMMA_STEPS(15) KVP_WGMMA_STEPS(16)
     default:
       wgmma_fence();
       for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64xNx16<Elem, N>(acc, da.at(k), db.at(k), k > 0);
       wgmma_commit();
   }
+#undef KVP_WGMMA_STEPS
 }
 // Waits for the warpgroup's MMAs issued by wgmma_gram_issue.
 template <int Tiles>
