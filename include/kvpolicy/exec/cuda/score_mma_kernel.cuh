@@ -282,8 +282,10 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
         // (max, 1 / sum); a row that sees no key gets (0, 0), so its terms are 0, not NaN.
         stat[i] = st.x == ninf ? float2{0.0f, 0.0f} : float2{st.x, 1.0f / st.y};
       }
-    load_tile(kbase, 0);
-    cp_async_commit();
+    if (n > 0) {  // else no tile waits for the copy, and the next pass would copy again
+      load_tile(kbase, 0);
+      cp_async_commit();
+    }
     // A key's score from the window partials of every query chunk (chunk order),
     // left in part's buffer `b` by the probability pass over the tile at `tile`.
     const auto finish_scores = [&](std::int32_t tile, int b) {
