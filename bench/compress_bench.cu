@@ -151,12 +151,12 @@ __device__ inline std::uint64_t splitmix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// p[i] = lo + (hi - lo) * u(seed, i), u uniform in [0, 1), stored as `type`.
 // Element i of the uniform stream `seed`, in [0, 1).
 __device__ inline float uniform01(std::uint64_t seed, std::uint64_t i) {
   return static_cast<float>(splitmix64(seed * 0xD1B54A32D192ED03ull + i) >> 40) * (1.0f / 16777216.0f);
 }
 
+// p[i] = lo + (hi - lo) * uniform01(seed, i), stored as `type`.
 __global__ void fill_uniform_kernel(void* p, std::size_t n, kvp::dtype type, std::uint64_t seed, float lo, float hi) {
   const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
