@@ -258,6 +258,31 @@ TEST_CASE("parity: head dims that are multiples of 16 but not powers of two") {
   MESSAGE(rep.summary());
 }
 
+// Lightning computes the score's softmax statistics for run-time head dims up to 128
+// too (its query fragments sized for 128, d / 16 k-steps used): cases that take
+// that path by construction (16-bit keys, blocks of 256, so that 2 round32(w G) <= b
+// for groups up to 8), each checked to take it.
+TEST_CASE("parity: lightning's softmax statistics at run-time head dims") {
+  parity_report rep;
+  case_config cfg{.layers = 2, .block_size = 256, .kv_heads = 2, .lengths = {3 * 256, 2 * 256 + 100, 300}};
+  const std::vector<kvp::batch_item> items{{0, 0, 2 * 256, 0}, {1, 1, 256 + 50, 256 + 50}, {2, 2, 200, 0}};
+  const kvp::presets::zipage zipage{};
+  for (const std::int32_t d : {16, 48, 80, 96, 112})
+    for (const std::int32_t G : {1, 4, 8})
+      for (const kvp::dtype type : {kvp::dtype::bf16, kvp::dtype::f16}) {
+        cfg.head_dim = d;
+        cfg.q_heads = cfg.kv_heads * G;
+        cfg.type = type;
+        cfg.seed = static_cast<std::uint32_t>(d * 16 + G);
+        INFO("d ", d, " G ", G, " ", kvp::name_of(type));
+        const gpu_case c(cfg);
+        const host_side h(c);
+        REQUIRE(kvp::cuda_executor{}.redundancy_computes_statistics(zipage, h.cache, h.queries));
+        check_parity(zipage, cfg, items, rep);
+      }
+  MESSAGE(rep.summary());
+}
+
 // Rows of 2^n bytes split the compaction's 16-byte slots by shifts; others (192 and
 // 96 bytes here) by division, which the random configurations of every preset never
 // reach (those of the head-dim test above do, for zipage, gkv and snapkv).

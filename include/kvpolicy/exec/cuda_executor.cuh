@@ -208,7 +208,8 @@ struct cuda_executor {
 
   // Whether the lightning kernel computes the window attention's softmax statistics
   // (statistics_in_redundancy): an attention scorer whose reduces run in the
-  // fragments, both stages on tensor cores, head dim 64 or 128, and cache blocks of
+  // fragments, both stages on tensor cores, head dim at most 128 (the query fragments
+  // live in registers), and cache blocks of
   // at least twice as many keys as the window has query rows (each lightning block
   // reads those queries; with fewer keys it would read more queries than keys).
   template <class P>
@@ -218,7 +219,7 @@ struct cuda_executor {
     if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       return statistics_in_redundancy && mma_scores(cache, queries) && cuda::reduces_in_fragments(p.scorer.group, G) &&
-             (cache.head_dim == 64 || cache.head_dim == 128) &&
+             cache.head_dim <= cuda::statistics_max_head_dim &&
              2 * cuda::round32(p.scorer.window * G) <= cache.block_size;
     } else {
       return false;
@@ -318,8 +319,14 @@ struct cuda_executor {
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-              launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim>, blocks, smem, pv, cache, rs, red_buf, queries,
-                         block_stats);
+              const auto launch_lightning = [&]<bool Statistics>() {
+                launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim, Statistics>, blocks, smem, pv, cache, rs,
+                           red_buf, queries, block_stats);
+              };
+              if constexpr (HeadDim == 0) {
+                if (!block_stats) return launch_lightning.template operator()<false>();
+              }
+              launch_lightning.template operator()<true>();
             });
           } else {
             const auto smem = cuda::lightning_smem_floats(cache.block_size, d) * sizeof(float);

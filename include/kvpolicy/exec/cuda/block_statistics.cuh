@@ -24,9 +24,16 @@ KVP_HOST_DEVICE constexpr std::int64_t block_statistics_count(std::int32_t w, st
   return 2 * std::int64_t{round32(w * G)};
 }
 
+// The largest head dim whose statistics the lightning kernel computes: a lane holds
+// its query rows' fragments in registers (d / 4 of them), and lightning's register
+// cap is that of three blocks per SM. Built for a run-time head dim, the kernel
+// holds fragments for this many dims and uses d / 16 of their k-steps.
+inline constexpr std::int32_t statistics_max_head_dim = 128;
+
 // A warp's 16 query rows m0 + lane / 4 (+ 8) of the `rows` in chunk order, as
 // mma.sync's (and wgmma's register) A fragment: per 16 dims, 32-bit words lane % 4
-// and 4 + lane % 4 of each row's 8; padding rows are zero. Loaded from global
+// and 4 + lane % 4 of each row's 8; padding rows are zero. Room for D dims, of which
+// the first `steps` k-steps of 16 are loaded. Loaded from global
 // memory by each block of a row (they mostly come from DRAM again: the streamed
 // keys push them out of L2 between a row's blocks), under the block's key copy.
 template <int D>
@@ -38,7 +45,7 @@ struct query_fragments {
   __device__ query_fragments() {}
   template <AttentionScorer S>
   __device__ void load(const S& s, const query_window_view& q, std::int32_t layer, std::int32_t slot, std::int32_t head,
-                       std::int32_t G, std::int32_t T, std::int32_t m0, std::int32_t rows) {
+                       std::int32_t G, std::int32_t T, std::int32_t m0, std::int32_t rows, std::int32_t steps) {
     const std::int32_t lane = threadIdx.x % 32, w = s.window;
     const query_order order{true, G, __ffs(G) - 1};
 #pragma unroll
@@ -50,6 +57,7 @@ struct query_fragments {
           q.row(layer, slot, q.window - w + (real[h] ? j : 0), head * G + (real[h] ? order.head(r) : 0)));
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
+        if (kk >= steps) break;
         a[kk][h] = real[h] ? row[kk * 8 + lane % 4] : 0u;
         a[kk][h + 2] = real[h] ? row[kk * 8 + 4 + lane % 4] : 0u;
       }
@@ -137,12 +145,25 @@ struct lane_statistics {
 // time as B straight from shared memory; elsewhere a warp takes 16 query rows and
 // one half, keys by ldmatrix for mma.sync. (On mma.sync the MMAs cost configuration
 // A 0.2 ms of the statistics' 0.25 ms on the H100.)
-template <dtype Elem, int D, AttentionScorer S>
+// HeadDim: the head dim as a constant, or 0 for the run-time d, at most
+// statistics_max_head_dim (the caller passes a null `out` otherwise).
+template <dtype Elem, int HeadDim, AttentionScorer S>
 class block_statistics {
+  static constexpr int D = HeadDim > 0 ? HeadDim : statistics_max_head_dim;  // fragment room
+
  public:
   __device__ block_statistics(const S& s, const query_window_view& q, std::int32_t layer, std::int32_t slot,
-                              std::int32_t head, std::int32_t G, std::int32_t T, float2* out)
-      : s_(s), q_(q), layer_(layer), slot_(slot), head_(head), G_(G), T_(T), rows_(round32(s.window * G)), out_(out) {
+                              std::int32_t head, std::int32_t G, std::int32_t T, std::int32_t d, float2* out)
+      : s_(s),
+        q_(q),
+        layer_(layer),
+        slot_(slot),
+        head_(head),
+        G_(G),
+        T_(T),
+        rows_(round32(s.window * G)),
+        d_(HeadDim > 0 ? HeadDim : d),
+        out_(out) {
     if (out_) load(first_item());
   }
 
@@ -155,21 +176,37 @@ class block_statistics {
     for (std::int32_t item = first_item(); item < items(); item += item_step()) {
       if (item != first_item()) load(item);
       const std::int32_t half = item % 2;
-      lane_statistics st(D);
+      lane_statistics st(d_);
       for (std::int32_t c0 = half * 32; c0 < count; c0 += 64) {
 #if KVP_CUDA_WGMMA
         float acc[4][4];  // the first MMA overwrites it
-        const wgmma_descriptor db(keys + at(c0, 0), D);
+        const wgmma_descriptor db(keys + at(c0, 0), d_);
         wgmma_fence();  // the fragments were written by ordinary loads
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_64x32x16_rs<Elem>(acc, qf_.a[kk], db.at(kk), kk > 0);
+        if constexpr (HeadDim > 0) {
+          issue<HeadDim / 16>(acc, db);
+        } else {
+          // Each step count unrolled: a loop over the fragments would index them
+          // at run time (local memory) and serialise the MMAs.
+          static_assert(D / 16 == 8, "one case per step count up to statistics_max_head_dim");
+          switch (d_ / 16) {
+            case 1: issue<1>(acc, db); break;
+            case 2: issue<2>(acc, db); break;
+            case 3: issue<3>(acc, db); break;
+            case 4: issue<4>(acc, db); break;
+            case 5: issue<5>(acc, db); break;
+            case 6: issue<6>(acc, db); break;
+            case 7: issue<7>(acc, db); break;
+            default: issue<8>(acc, db); break;
+          }
+        }
         wgmma_commit();
         wgmma_gram_wait(acc);
 #else
         const std::int32_t lane = threadIdx.x % 32;
         float acc[4][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
+        for (int kk = 0; kk < D / 16; ++kk) {
+          if (kk >= d_ / 16) break;
 #pragma unroll
           for (int np = 0; np < 2; ++np) {
             std::uint32_t bf[4];
@@ -177,6 +214,7 @@ class block_statistics {
             mma_16816<Elem>(acc[np * 2], qf_.a[kk], bf[0], bf[1]);
             mma_16816<Elem>(acc[np * 2 + 1], qf_.a[kk], bf[2], bf[3]);
           }
+        }
 #endif
         st.fold(s_, acc, pos0 + c0, pos0 + c0 + 32 <= plain_end, end, qf_);
       }
@@ -200,11 +238,21 @@ class block_statistics {
   __device__ static std::int32_t item_step() { return static_cast<std::int32_t>(blockDim.x) / 32; }
   __device__ static std::int32_t first_row(std::int32_t item) { return item / 2 * 16; }
 #endif
-  __device__ void load(std::int32_t item) { qf_.load(s_, q_, layer_, slot_, head_, G_, T_, first_row(item), rows_); }
+  __device__ void load(std::int32_t item) {
+    qf_.load(s_, q_, layer_, slot_, head_, G_, T_, first_row(item), rows_, d_ / 16);
+  }
+#if KVP_CUDA_WGMMA
+  // The MMAs of one 32-key chunk: Steps k-steps, A from the fragments.
+  template <int Steps>
+  __device__ void issue(float (&acc)[4][4], const wgmma_descriptor& db) const {
+#pragma unroll
+    for (int kk = 0; kk < Steps; ++kk) wgmma_64x32x16_rs<Elem>(acc, qf_.a[kk], db.at(kk), kk > 0);
+  }
+#endif
 
   const S& s_;
   const query_window_view& q_;
-  std::int32_t layer_, slot_, head_, G_, T_, rows_;
+  std::int32_t layer_, slot_, head_, G_, T_, rows_, d_;
   float2* out_;
   query_fragments<D> qf_;
 };

@@ -35,11 +35,16 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
 }
 
 // HeadDim: the head dim as a constant (64 and 128, from the executor), or 0 to read
-// it at run time, as for attention_score_mma_kernel. Given stats_out (a constant
-// HeadDim and an attention scorer whose reduces run in the fragments), the block also
+// it at run time, as for attention_score_mma_kernel. Given stats_out (a head dim of
+// at most statistics_max_head_dim and an attention scorer whose reduces run in the
+// fragments), the block also
 // writes its keys' softmax statistics for the row's window queries, at
 // [row][blockIdx.y][block_statistics_count], for the score kernel that follows.
-template <class P, dtype Elem, int HeadDim = 0>
+// Statistics: whether the kernel has that code at all. Built for a run-time head dim,
+// the statistics' query fragments spill registers (ptxas -v: 36 bytes at the cap of
+// three blocks per SM), so the executor builds that kernel both ways and takes the
+// one without where no statistics are asked for (head dims above 128, other scorers).
+template <class P, dtype Elem, int HeadDim = 0, bool Statistics = true>
 __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
                                                                     float* red_out, query_window_view q,
                                                                     float2* stats_out) {
@@ -77,13 +82,14 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   cp_async_commit();
   // The softmax statistics' first queries load while the keys are in flight.
   using S = typename P::scorer_type;
-  constexpr bool with_statistics = AttentionScorer<S> && HeadDim > 0;
+  constexpr bool with_statistics = Statistics && AttentionScorer<S>;
   [[maybe_unused]] auto statistics = [&] {
     if constexpr (with_statistics) {
       const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
-      float2* out = stats_out ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
-                              : nullptr;
-      return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, out);
+      float2* out = stats_out && d <= statistics_max_head_dim
+                        ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
+                        : nullptr;
+      return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, d, out);
     } else {
       return 0;
     }
