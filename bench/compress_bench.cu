@@ -11,6 +11,8 @@
 //                                   of its block (the PyTorch reference's inputs); e2e/gkv/A_dup
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
+//   head_dim/{zipage,gkv}/<d>       configuration A with head dim d = 64, 96, 256
+//   head_dim_stage/zipage/<d>       the same, per-stage times from the stage marks
 //   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
 //   redundancy/full/<T>             the same with all-pairs redundancy (quadratic)
 //   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
@@ -688,6 +690,7 @@ void register_all() {
     s.head_dim = d;
     add_row("head_dim/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::e2e, 20);
     add_row("head_dim/gkv/" + std::to_string(d), kvp::presets::gkv{}, s, row_kind::e2e, 3);
+    add_row("head_dim_stage/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::stage, 20);
   }
 
   // Lightning vs full redundancy as tokens grow: the redundancy stage alone. Full is

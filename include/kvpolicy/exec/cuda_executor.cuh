@@ -209,7 +209,7 @@ struct cuda_executor {
   // Whether the lightning kernel computes the window attention's softmax statistics
   // (statistics_in_redundancy): an attention scorer whose reduces run in the
   // fragments, both stages on tensor cores, head dim at most 128 (the query fragments
-  // live in registers), and cache blocks of
+  // live in registers; 256 where lightning_wide), and cache blocks of
   // at least twice as many keys as the window has query rows (each lightning block
   // reads those queries; with fewer keys it would read more queries than keys).
   template <class P>
@@ -219,7 +219,8 @@ struct cuda_executor {
     if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       return statistics_in_redundancy && mma_scores(cache, queries) && cuda::reduces_in_fragments(p.scorer.group, G) &&
-             cache.head_dim <= cuda::statistics_max_head_dim &&
+             cache.head_dim <= (lightning_wide(cache) ? cuda::wide_statistics_max_head_dim
+                                                      : cuda::statistics_max_head_dim) &&
              2 * cuda::round32(p.scorer.window * G) <= cache.block_size;
     } else {
       return false;
@@ -318,12 +319,17 @@ struct cuda_executor {
           const auto blocks = static_cast<unsigned>(blocks_per_item);
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
+            const bool wide = lightning_wide(cache);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
               const auto launch_lightning = [&]<bool Statistics>() {
                 launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim, Statistics>, blocks, smem, pv, cache, rs,
                            red_buf, queries, block_stats);
               };
               if constexpr (HeadDim == 0) {
+                if (wide)
+                  return launch_threads(on.redundancy, false, cuda::lightning_mma_wide_kernel<P, Elem>, rows, blocks,
+                                        cuda::lightning_wide_threads, smem, pv, cache, rs, red_buf, queries,
+                                        block_stats);
                 if (!block_stats) return launch_lightning.template operator()<false>();
               }
               launch_lightning.template operator()<true>();
@@ -529,6 +535,20 @@ struct cuda_executor {
     return fits && fills ? 2 : 1;
   }
 
+  // Whether lightning takes lightning_mma_wide_kernel: tensor cores, and cache blocks
+  // whose keys leave room for only one block of lightning_mma_kernel per SM (with the
+  // shared memory each block reserves), which would leave the SM 8 warps. Head dims
+  // built as constants (64, 128) never need it.
+  bool lightning_wide(const paged_kv_view& cache) const {
+    if (!mma_keys(cache) || cache.head_dim == 64 || cache.head_dim == 128) return false;
+    int device = 0, per_sm = 0, reserved = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+    const std::size_t block = cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim) + std::size_t(reserved);
+    return 2 * block > static_cast<std::size_t>(per_sm);
+  }
+
   static int shared_memory_limit() {
     int device = 0, limit = 0;
     cudaGetDevice(&device);
@@ -637,6 +657,12 @@ struct cuda_executor {
   template <class Kernel, class... Args>
   static void launch(cudaStream_t on, bool programmatic, Kernel kernel, unsigned grid_x, unsigned grid_y,
                      std::size_t smem, Args... args) {
+    launch_threads(on, programmatic, kernel, grid_x, grid_y, cuda::row_threads, smem, args...);
+  }
+  // The same with `threads` per block.
+  template <class Kernel, class... Args>
+  static void launch_threads(cudaStream_t on, bool programmatic, Kernel kernel, unsigned grid_x, unsigned grid_y,
+                             unsigned threads, std::size_t smem, Args... args) {
     // Dynamic shared memory beyond 48 KB minus the kernel's static shared memory (CUB's
     // scans, say) needs the opt-in; any launch that asks for some opts in, so a
     // request just under 48 KB does not fail on top of static storage.
@@ -647,14 +673,14 @@ struct cuda_executor {
       attr.val.programmaticStreamSerializationAllowed = 1;
       cudaLaunchConfig_t config{};
       config.gridDim = dim3(grid_x, grid_y);
-      config.blockDim = dim3(cuda::row_threads);
+      config.blockDim = dim3(threads);
       config.dynamicSmemBytes = smem;
       config.stream = on;
       config.attrs = &attr;
       config.numAttrs = 1;
       cudaLaunchKernelEx(&config, kernel, args...);
     } else {
-      kernel<<<dim3(grid_x, grid_y), cuda::row_threads, smem, on>>>(args...);
+      kernel<<<dim3(grid_x, grid_y), threads, smem, on>>>(args...);
     }
   }
 };

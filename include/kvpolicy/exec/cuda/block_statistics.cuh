@@ -145,11 +145,11 @@ struct lane_statistics {
 // time as B straight from shared memory; elsewhere a warp takes 16 query rows and
 // one half, keys by ldmatrix for mma.sync. (On mma.sync the MMAs cost configuration
 // A 0.2 ms of the statistics' 0.25 ms on the H100.)
-// HeadDim: the head dim as a constant, or 0 for the run-time d, at most
-// statistics_max_head_dim (the caller passes a null `out` otherwise).
-template <dtype Elem, int HeadDim, AttentionScorer S>
+// HeadDim: the head dim as a constant, or 0 for the run-time d, at most MaxHeadDim
+// (the caller passes a null `out` otherwise).
+template <dtype Elem, int HeadDim, AttentionScorer S, int MaxHeadDim = statistics_max_head_dim>
 class block_statistics {
-  static constexpr int D = HeadDim > 0 ? HeadDim : statistics_max_head_dim;  // fragment room
+  static constexpr int D = HeadDim > 0 ? HeadDim : MaxHeadDim;  // fragment room
 
  public:
   __device__ block_statistics(const S& s, const query_window_view& q, std::int32_t layer, std::int32_t slot,
@@ -187,17 +187,29 @@ class block_statistics {
         } else {
           // Each step count unrolled: a loop over the fragments would index them
           // at run time (local memory) and serialise the MMAs.
-          static_assert(D / 16 == 8, "one case per step count up to statistics_max_head_dim");
-          switch (d_ / 16) {
-            case 1: issue<1>(acc, db); break;
-            case 2: issue<2>(acc, db); break;
-            case 3: issue<3>(acc, db); break;
-            case 4: issue<4>(acc, db); break;
-            case 5: issue<5>(acc, db); break;
-            case 6: issue<6>(acc, db); break;
-            case 7: issue<7>(acc, db); break;
-            default: issue<8>(acc, db); break;
+          // (Empty cases past D / 16 would change the register allocation: the
+          // kernel for 128 spilled 64 bytes instead of 36.)
+          static_assert(D == 128 || D == 256, "fragment room of 8 or 16 k-steps");
+#define KVP_STATISTICS_STEPS(k) \
+  case k:                       \
+    issue<k>(acc, db);          \
+    break;
+          if constexpr (D == 128) {
+            switch (d_ / 16) {
+              KVP_STATISTICS_STEPS(1) KVP_STATISTICS_STEPS(2) KVP_STATISTICS_STEPS(3) KVP_STATISTICS_STEPS(4)
+              KVP_STATISTICS_STEPS(5) KVP_STATISTICS_STEPS(6) KVP_STATISTICS_STEPS(7)
+              default: issue<8>(acc, db); break;
+            }
+          } else {
+            switch (d_ / 16) {
+              KVP_STATISTICS_STEPS(1) KVP_STATISTICS_STEPS(2) KVP_STATISTICS_STEPS(3) KVP_STATISTICS_STEPS(4)
+              KVP_STATISTICS_STEPS(5) KVP_STATISTICS_STEPS(6) KVP_STATISTICS_STEPS(7) KVP_STATISTICS_STEPS(8)
+              KVP_STATISTICS_STEPS(9) KVP_STATISTICS_STEPS(10) KVP_STATISTICS_STEPS(11) KVP_STATISTICS_STEPS(12)
+              KVP_STATISTICS_STEPS(13) KVP_STATISTICS_STEPS(14) KVP_STATISTICS_STEPS(15)
+              default: issue<16>(acc, db); break;
+            }
           }
+#undef KVP_STATISTICS_STEPS
         }
         wgmma_commit();
         wgmma_gram_wait(acc);

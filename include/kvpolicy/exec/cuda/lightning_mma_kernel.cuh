@@ -4,8 +4,6 @@
 // elsewhere), scaled by the inverse norms in fp32 and reduced to row sums and newest
 // similar neighbours without leaving registers (fold_tile: the diagonal by weight,
 // not by a test per column).
-// Three blocks per SM fit in shared memory (b = 256, d = 128), so the register cap
-// is that of three.
 #pragma once
 
 #include <cstdint>
@@ -34,20 +32,21 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
   return (padded > core ? padded : core) + 4 * static_cast<std::size_t>(round64(block)) * 4;
 }
 
-// HeadDim: the head dim as a constant (64 and 128, from the executor), or 0 to read
-// it at run time, as for attention_score_mma_kernel. Given stats_out (a head dim of
-// at most statistics_max_head_dim and an attention scorer whose reduces run in the
-// fragments), the block also
-// writes its keys' softmax statistics for the row's window queries, at
-// [row][blockIdx.y][block_statistics_count], for the score kernel that follows.
-// Statistics: whether the kernel has that code at all. Built for a run-time head dim,
-// the statistics' query fragments spill registers (ptxas -v: 36 bytes at the cap of
-// three blocks per SM), so the executor builds that kernel both ways and takes the
-// one without where no statistics are asked for (head dims above 128, other scorers).
-template <class P, dtype Elem, int HeadDim = 0, bool Statistics = true>
-__global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                    float* red_out, query_window_view q,
-                                                                    float2* stats_out) {
+// Threads of lightning_mma_wide_kernel, and the largest head dim whose statistics it
+// computes (its register cap is that of one block per SM, 128).
+inline constexpr int lightning_wide_threads = 2 * row_threads;
+inline constexpr std::int32_t wide_statistics_max_head_dim = 256;
+
+// One block of lightning on tensor cores: the (row, cache block) of blockIdx, with
+// blockDim.x / 128 warpgroups. HeadDim: the head dim as a constant (64 and 128, from
+// the executor), or 0 to read it at run time, as for attention_score_mma_kernel.
+// Given stats_out (a head dim of at most StatisticsMaxHeadDim and an attention scorer
+// whose reduces run in the fragments), the block also writes its keys' softmax
+// statistics for the row's window queries, at [row][blockIdx.y][block_statistics_count],
+// for the score kernel that follows. Statistics: whether the block has that code at all.
+template <class P, dtype Elem, int HeadDim, bool Statistics, int StatisticsMaxHeadDim>
+__device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_view& cache, const row_space& rs,
+                                                    float* red_out, const query_window_view& q, float2* stats_out) {
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
@@ -86,10 +85,11 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   [[maybe_unused]] auto statistics = [&] {
     if constexpr (with_statistics) {
       const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
-      float2* out = stats_out && d <= statistics_max_head_dim
+      float2* out = stats_out && d <= StatisticsMaxHeadDim
                         ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
                         : nullptr;
-      return block_statistics<Elem, HeadDim, S>(p.scorer, q, rc.layer, it.query_slot, rc.head, G, T, d, out);
+      return block_statistics<Elem, HeadDim, S, StatisticsMaxHeadDim>(p.scorer, q, rc.layer, it.query_slot, rc.head, G,
+                                                                      T, d, out);
     } else {
       return 0;
     }
@@ -137,6 +137,33 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
   const float inv_n = 1.0f / static_cast<float>(b);
   for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
     red_out[row * rs.max_tokens + pos0 + t] = (rowsum[t] - dropped.of(t)) * inv_n / p.redundancy.tau;
+}
+
+// Three blocks per SM fit in shared memory (b = 256, d = 128), so the register cap is
+// that of three. Built for a run-time head dim, the statistics' query fragments (room
+// for statistics_max_head_dim) spill registers under that cap (ptxas -v: 36 bytes), so
+// the executor builds that kernel both ways and takes the one without where no
+// statistics are asked for.
+template <class P, dtype Elem, int HeadDim = 0, bool Statistics = true>
+__global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                    float* red_out, query_window_view q,
+                                                                    float2* stats_out) {
+  lightning_mma_block<P, Elem, HeadDim, Statistics, statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out);
+}
+
+// For cache blocks whose keys leave room for one block per SM (b = 256 at d 224 and
+// 256 on the H100, where lightning_mma_kernel ran 8 warps per SM: 12.5% occupancy):
+// twice the threads, so 16 warps, and the register cap of one block, under which the
+// statistics' query fragments fit up to d 256. Head dims read at run time. At d 256
+// on the H100 (configuration A otherwise) the warps alone took the redundancy stage
+// 1.21 -> 1.17 ms; the statistics, 1.17 -> 1.47 ms, took the score stage 0.94 ->
+// 0.48 ms (end to end 3.70 -> 3.52 ms).
+template <class P, dtype Elem>
+__global__ void __launch_bounds__(lightning_wide_threads, 1) lightning_mma_wide_kernel(P p, paged_kv_view cache,
+                                                                                     row_space rs, float* red_out,
+                                                                                     query_window_view q,
+                                                                                     float2* stats_out) {
+  lightning_mma_block<P, Elem, 0, true, wide_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out);
 }
 
 }  // namespace cuda
