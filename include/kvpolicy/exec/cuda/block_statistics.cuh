@@ -185,31 +185,7 @@ class block_statistics {
         if constexpr (HeadDim > 0) {
           issue<HeadDim / 16>(acc, db);
         } else {
-          // Each step count unrolled: a loop over the fragments would index them
-          // at run time (local memory) and serialise the MMAs.
-          // (Empty cases past D / 16 would change the register allocation: the
-          // kernel for 128 spilled 64 bytes instead of 36.)
-          static_assert(D == 128 || D == 256, "fragment room of 8 or 16 k-steps");
-#define KVP_STATISTICS_STEPS(k) \
-  case k:                       \
-    issue<k>(acc, db);          \
-    break;
-          if constexpr (D == 128) {
-            switch (d_ / 16) {
-              KVP_STATISTICS_STEPS(1) KVP_STATISTICS_STEPS(2) KVP_STATISTICS_STEPS(3) KVP_STATISTICS_STEPS(4)
-              KVP_STATISTICS_STEPS(5) KVP_STATISTICS_STEPS(6) KVP_STATISTICS_STEPS(7)
-              default: issue<8>(acc, db); break;
-            }
-          } else {
-            switch (d_ / 16) {
-              KVP_STATISTICS_STEPS(1) KVP_STATISTICS_STEPS(2) KVP_STATISTICS_STEPS(3) KVP_STATISTICS_STEPS(4)
-              KVP_STATISTICS_STEPS(5) KVP_STATISTICS_STEPS(6) KVP_STATISTICS_STEPS(7) KVP_STATISTICS_STEPS(8)
-              KVP_STATISTICS_STEPS(9) KVP_STATISTICS_STEPS(10) KVP_STATISTICS_STEPS(11) KVP_STATISTICS_STEPS(12)
-              KVP_STATISTICS_STEPS(13) KVP_STATISTICS_STEPS(14) KVP_STATISTICS_STEPS(15)
-              default: issue<16>(acc, db); break;
-            }
-          }
-#undef KVP_STATISTICS_STEPS
+          with_step_count<D / 16>(d_ / 16, [&]<int Steps>() { issue<Steps>(acc, db); });
         }
         wgmma_commit();
         wgmma_gram_wait(acc);

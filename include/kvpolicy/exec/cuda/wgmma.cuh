@@ -152,6 +152,37 @@ __device__ inline void wgmma_gram_steps(float (&acc)[N / 8][4], const wgmma_desc
 // registers instead of moving them there before every MMA.
 __device__ inline std::int32_t warp_uniform(std::int32_t v) { return __shfl_sync(0xffffffffu, v, 0); }
 
+// Calls f.template operator()<s>() for s = steps, 1 <= steps <= Max (8 or 16), so
+// that MMAs unroll per step count: in a loop with a run-time count ptxas waits for
+// each wgmma before issuing the next, and register fragments indexed at run time
+// would go to local memory. Max is the default case: its own case, or empty cases
+// past it, changed the register allocation (lightning's kernels for a run-time head
+// dim spilled 64 bytes instead of 36, and 8 instead of none).
+template <int Max, class F>
+__device__ __forceinline__ void with_step_count(std::int32_t steps, F&& f) {
+  static_assert(Max == 8 || Max == 16, "one case per step count");
+#define KVP_STEP_COUNT(s) \
+  case s:                 \
+    f.template operator()<s>(); \
+    break;
+  if constexpr (Max == 8) {
+    switch (steps) {
+      KVP_STEP_COUNT(1) KVP_STEP_COUNT(2) KVP_STEP_COUNT(3) KVP_STEP_COUNT(4)
+      KVP_STEP_COUNT(5) KVP_STEP_COUNT(6) KVP_STEP_COUNT(7)
+      default: f.template operator()<8>();
+    }
+  } else {
+    switch (steps) {
+      KVP_STEP_COUNT(1) KVP_STEP_COUNT(2) KVP_STEP_COUNT(3) KVP_STEP_COUNT(4)
+      KVP_STEP_COUNT(5) KVP_STEP_COUNT(6) KVP_STEP_COUNT(7) KVP_STEP_COUNT(8)
+      KVP_STEP_COUNT(9) KVP_STEP_COUNT(10) KVP_STEP_COUNT(11) KVP_STEP_COUNT(12)
+      KVP_STEP_COUNT(13) KVP_STEP_COUNT(14) KVP_STEP_COUNT(15)
+      default: f.template operator()<16>();
+    }
+  }
+#undef KVP_STEP_COUNT
+}
+
 // acc = A B^T over d (a multiple of 16) for the 64 rows at `a` and the N rows at `b`
 // (both in core_matrices layout for this d), issued by a whole warpgroup and left
 // running: acc must not be touched until wgmma_gram_wait. Each warp gets its 16
@@ -161,22 +192,14 @@ __device__ inline void wgmma_gram_issue(float (&acc)[N / 8][4], const std::uint1
                                         std::int32_t d) {
   const wgmma_descriptor da(a, d), db(b, d);
   wgmma_fence_operands(acc);
-  // Unrolled for every head dim up to 256 (a branch per step count): in a loop with
-  // a run-time count, ptxas waits for each MMA before issuing the next. Head dims
-  // past 256 (rare) take that slower loop.
-#define KVP_WGMMA_STEPS(s) \
-  case s: wgmma_gram_steps<Elem, N, s>(acc, da, db); break;
-  switch (d / 16) {
-    KVP_WGMMA_STEPS(1) KVP_WGMMA_STEPS(2) KVP_WGMMA_STEPS(3) KVP_WGMMA_STEPS(4)
-    KVP_WGMMA_STEPS(5) KVP_WGMMA_STEPS(6) KVP_WGMMA_STEPS(7) KVP_WGMMA_STEPS(8)
-    KVP_WGMMA_STEPS(9) KVP_WGMMA_STEPS(10) KVP_WGMMA_STEPS(11) KVP_WGMMA_STEPS(12)
-    KVP_WGMMA_STEPS(13) KVP_WGMMA_STEPS(14) KVP_WGMMA_STEPS(15) KVP_WGMMA_STEPS(16)
-    default:
-      wgmma_fence();
-      for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64xNx16<Elem, N>(acc, da.at(k), db.at(k), k > 0);
-      wgmma_commit();
+  // Unrolled for every head dim up to 256; head dims past it (rare) take a loop.
+  if (d <= 256) {
+    with_step_count<16>(d / 16, [&]<int Steps>() { wgmma_gram_steps<Elem, N, Steps>(acc, da, db); });
+  } else {
+    wgmma_fence();
+    for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64xNx16<Elem, N>(acc, da.at(k), db.at(k), k > 0);
+    wgmma_commit();
   }
-#undef KVP_WGMMA_STEPS
 }
 // Waits for the warpgroup's MMAs issued by wgmma_gram_issue.
 template <int Tiles>
