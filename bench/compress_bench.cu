@@ -13,6 +13,7 @@
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
 //   head_dim/{zipage,gkv}/<d>       configuration A with head dim d = 64, 96, 256
 //   head_dim_stage/zipage/<d>       the same, per-stage times from the stage marks
+//   hnd/zipage/<d>, hnd_stage/...   configuration A (d 64, 128) in FlashInfer's HND layout
 //   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
 //   redundancy/full/<T>             the same with all-pairs redundancy (quadratic)
 //   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
@@ -290,6 +291,7 @@ struct shape {
   std::int32_t window = 16;  // observation queries kept per slot (at least the scorer's window)
   kvp::dtype type = kvp::dtype::bf16;
   float near_duplicates = 0.0f;  // fraction of keys made near-copies of an earlier key of their block
+  bool hnd = false;              // the same memory seen as FlashInfer's HND layout: [2, L, num_blocks, h_kv, b, d]
 
   std::int32_t tokens() const { return n_max * block_size; }             // T: full last block
   std::int32_t budget() const { return (n_max - 1) * block_size; }       // Zipage's (N_max - 1) b
@@ -308,7 +310,7 @@ struct bench_case {
   shape s;
   std::int32_t num_blocks = 0, max_blocks = 0;
   std::size_t kv_elems = 0, q_elems = 0, f_elems = 0;
-  dbuf kv, kv0, q, f, f0, table, lengths, items;
+  dbuf kv, kv0, q, f, f0, table, lengths, items, layer_ptrs;
   dbuf status, new_lengths, released_counts, released_blocks, keep, final_scores;
   dbuf temp;
   kvp::paged_kv_view cache{};
@@ -363,7 +365,18 @@ struct bench_case {
     const kvp::cache_shape cs{s.layers, num_blocks, b, s.kv_heads, s.head_dim, s.type};
     const kvp::sequence_table seqs{kvp::block_table_view::dense(table.get<std::int32_t>(), max_blocks),
                                    lengths.get<std::int32_t>(), s.seqs};
-    cache = kvp::layouts::nano_vllm(kv.get(), cs, seqs);
+    if (s.hnd) {
+      // Per-layer K and V pointers into the same tensor, which is then [2, L, num_blocks, h_kv, b, d].
+      if (s.near_duplicates > 0.0f) throw std::invalid_argument("bench: near_duplicates assumes the NHD layout");
+      std::vector<void*> ptrs(2 * std::size_t(s.layers));
+      for (std::size_t i = 0; i < ptrs.size(); ++i)
+        ptrs[i] = static_cast<std::byte*>(kv.get()) + i * std::size_t(num_blocks) * block_elems * s.es();
+      layer_ptrs = upload(ptrs);
+      void* const* k_layers = layer_ptrs.get<void*>();
+      cache = kvp::layouts::hnd(k_layers, k_layers + s.layers, cs, seqs);
+    } else {
+      cache = kvp::layouts::nano_vllm(kv.get(), cs, seqs);
+    }
     queries = kvp::query_window_view::contiguous(q.get(), s.layers, s.seqs, s.window, s.q_heads, s.head_dim, s.type);
     scores = kvp::score_view::contiguous(f.get<float>(), num_blocks, b, s.kv_heads);
     batch = {items.get<kvp::batch_item>(), s.seqs, T, 0, 0};
@@ -691,6 +704,16 @@ void register_all() {
     add_row("head_dim/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::e2e, 20);
     add_row("head_dim/gkv/" + std::to_string(d), kvp::presets::gkv{}, s, row_kind::e2e, 3);
     add_row("head_dim_stage/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::stage, 20);
+  }
+
+  // FlashInfer's HND layout (a head's rows of a block contiguous) against nano-vllm's
+  // NHD (a token's heads contiguous) at head dims 64 and 128.
+  for (int d : {64, 128}) {
+    shape s = a;
+    s.head_dim = d;
+    s.hnd = true;
+    add_row("hnd/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::e2e, 20);
+    add_row("hnd_stage/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::stage, 20);
   }
 
   // Lightning vs full redundancy as tokens grow: the redundancy stage alone. Full is
