@@ -10,6 +10,7 @@
 //   e2e|stage/zipage/A_dup          the same with one key in eight a near-copy of an earlier key
 //                                   of its block (the PyTorch reference's inputs); e2e/gkv/A_dup
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
+//   scale_seqs_stage/zipage/<S>     S = 1, 4: per-stage times (rows fewer than the SMs' block slots)
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
 //   head_dim/{zipage,gkv}/<d>       configuration A with head dim d = 64, 96, 256
 //   head_dim_stage/zipage/<d>       the same, per-stage times from the stage marks
@@ -689,6 +690,7 @@ void register_all() {
     shape s = a;
     s.seqs = seqs;
     add_row("scale_seqs/zipage/" + std::to_string(seqs), kvp::presets::zipage{}, s, row_kind::e2e, 20);
+    if (seqs < 16) add_row("scale_seqs_stage/zipage/" + std::to_string(seqs), kvp::presets::zipage{}, s, row_kind::stage, 20);
   }
   for (int n_max : {9, 18, 36}) {
     shape s = a;

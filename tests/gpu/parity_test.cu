@@ -35,6 +35,7 @@ struct executor_options {
   std::int32_t overlap_groups = 0;  // 0: no overlap stream
   bool statistics_in_redundancy = true;
   std::int32_t full_pairs_rows = 0;
+  bool split_rows = true;
 };
 
 struct parity_report {
@@ -68,6 +69,7 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   cx.tensor_cores = opt.tensor_cores;
   cx.statistics_in_redundancy = opt.statistics_in_redundancy;
   cx.full_pairs_rows = opt.full_pairs_rows;
+  cx.split_rows = opt.split_rows;
   // Overlap: redundancy on a second stream, item groups pipelined over the two.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
@@ -199,6 +201,19 @@ void run_random(const char* name, P preset, int cases, std::uint32_t seed0, pari
   }
 }
 
+// Splits of launches of few rows (cuda_executor::split_rows): the largest power of two
+// whose blocks still fit the slots (264 compaction and 528 score blocks on an H100), so
+// a split never adds a wave; compaction slices of at least 64 bytes on 16-byte bounds,
+// score blocks of at least four 64-key tiles.
+static_assert(kvp::cuda::compact_slices(64, 256, 264) == 4);   // one sequence, d 128
+static_assert(kvp::cuda::compact_slices(256, 256, 264) == 1);  // four: 256 of 264 filled
+static_assert(kvp::cuda::compact_slices(64, 128, 264) == 2);   // d 64: two 64-byte slices
+static_assert(kvp::cuda::compact_slices(8, 96, 264) == 1);     // 48-byte halves
+static_assert(kvp::cuda::score_key_splits(64, 2304, 528) == 8);
+static_assert(kvp::cuda::score_key_splits(256, 2304, 528) == 2);
+static_assert(kvp::cuda::score_key_splits(1024, 2304, 528) == 1);  // configuration A
+static_assert(kvp::cuda::score_key_splits(4, 300, 528) == 1);      // 5 tiles
+
 TEST_CASE("parity: every preset of the token-wise family on random configurations") {
   parity_report rep;
   run_random("zipage", kvp::presets::zipage{}, 60, 1, rep);
@@ -236,6 +251,10 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   auto before_window = kvp::presets::zipage{};
   before_window.scorer.keys_before_window = true;
   run_random("zipage/keys_before_window", before_window, 20, 17, rep);
+  // These launches have few rows, so by default the score kernel and the compaction
+  // split them over several blocks; one block per row is what large batches take.
+  run_random("zipage/one_block_per_row", kvp::presets::zipage{}, 30, 25, rep, {.split_rows = false});
+  run_random("snapkv/one_block_per_row", kvp::presets::snapkv{}, 15, 26, rep, {.split_rows = false});
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, {.tensor_cores = false});
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, {.tensor_cores = false});
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, {.overlap_groups = 3});

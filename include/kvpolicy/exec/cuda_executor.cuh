@@ -115,6 +115,11 @@ struct cuda_executor {
   // 128, e2e/gkv/A 4.41 -> 3.80 ms on the H100) and the launch still gives each SM
   // two, else 128 (sm_80, consumer parts, few rows); 128 or 256 asks for that size.
   std::int32_t full_pairs_rows = 0;
+  // Where a launch has too few rows to fill the GPU (one sequence of 8 layers: 64),
+  // the score kernel's single pass splits each row's keys over several blocks and the
+  // compaction each row's bytes into column slices (cuda::score_key_splits,
+  // cuda::compact_slices); the results are the same. false: one block per row.
+  bool split_rows = true;
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
@@ -280,9 +285,19 @@ struct cuda_executor {
     // lightning, or with no redundancy stage), and the layout once its epilogue block is.
     auto* ready = reinterpret_cast<std::int32_t*>(ws + plan.ready);
     constexpr bool scores_last = !std::same_as<S, none> && (lightning || std::same_as<R, none>);
-    std::int32_t* score_ready = chained && scores_last ? ready + row0 : nullptr;
-    std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
     auto* block_stats = stats ? reinterpret_cast<float2*>(ws + plan.stats) + row0 * plan.stats_per_row : nullptr;
+    // Given the statistics, the score kernel splits rows over several blocks where they
+    // are too few to fill the GPU; its rows are then handed on as a whole grid.
+    const std::int32_t key_splits =
+        split_rows && block_stats
+            ? cuda::score_key_splits(rows, rs.max_tokens, cuda::score_blocks_per_sm * multiprocessors())
+            : 1;
+    std::int32_t* score_ready = chained && scores_last && key_splits == 1 ? ready + row0 : nullptr;
+    std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
+    // The score kernel's launch with key_splits blocks per row.
+    const auto launch_score_split = [&](auto kernel, std::size_t smem, auto... args) {
+      launch(on.score, chained && lightning, kernel, rows * static_cast<unsigned>(key_splits), 1, smem, args...);
+    };
 
     const auto score_stage = [&] {
       if constexpr (AttentionScorer<S>) {
@@ -296,13 +311,14 @@ struct cuda_executor {
           with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
             if constexpr (HeadDim > 0) {
               if (wgmma) {
-                launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim, true>, 1, smem, pv.scorer, cache,
-                             queries, rs, score_buf, score_ready, static_cast<const float2*>(block_stats));
+                launch_score_split(cuda::attention_score_mma_kernel<S, Elem, HeadDim, true>, smem, pv.scorer, cache,
+                                   queries, rs, score_buf, score_ready, static_cast<const float2*>(block_stats),
+                                   key_splits);
                 return;
               }
             }
-            launch_score(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, 1, smem, pv.scorer, cache, queries, rs,
-                         score_buf, score_ready, static_cast<const float2*>(block_stats));
+            launch_score_split(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, smem, pv.scorer, cache, queries, rs,
+                               score_buf, score_ready, static_cast<const float2*>(block_stats), key_splits);
           });
         } else {
           const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
@@ -410,11 +426,16 @@ struct cuda_executor {
               select_ready);
     mark(3);
     if constexpr (moves_tokens<L>()) {
-      const std::int32_t chunk = cuda::compact_chunk(cache.row_bytes(), compact_staging_limit());
+      // Few rows (a launch of one sequence) are split into column slices to fill the GPU.
+      const std::int32_t slices =
+          split_rows ? cuda::compact_slices(rows, cache.row_bytes(), compact_blocks_per_sm * multiprocessors()) : 1;
+      const std::int64_t slice_bytes = cache.row_bytes() / slices;
+      const std::int32_t chunk = cuda::compact_chunk(slice_bytes, compact_staging_limit());
       // F moves with its tokens only when the pipeline keeps scores in it.
       const score_view moved_f = uses_score_cache<A>() ? scores : score_view{};
-      launch_tail(cuda::compact_kernel<P>, 1, cuda::compact_staging_bytes(chunk, cache.row_bytes()), pv, cache, moved_f,
-                  rs, keep, chunk, static_cast<const std::int32_t*>(select_ready));
+      launch(on.tail, chained, cuda::compact_kernel<P>, rows * static_cast<unsigned>(slices), 1,
+             cuda::compact_staging_bytes(chunk, slice_bytes), pv, cache, moved_f, rs, keep, chunk, slices,
+             static_cast<const std::int32_t*>(select_ready));
     }
   }
 
@@ -451,6 +472,7 @@ struct cuda_executor {
   // keeps two blocks per SM on sm_90. Configuration A, H100: 0.866 ms with one
   // 64 KB stage, 0.828 with two 32 KB stages, 0.805 with two 48 KB stages.
   static constexpr std::size_t compact_smem_bytes = 96 * 1024;
+  static constexpr int compact_blocks_per_sm = 2;
   static constexpr std::size_t compact_static_reserve = 16 * 1024;
   static std::size_t compact_staging_limit() {
     const auto limit = static_cast<std::size_t>(shared_memory_limit());
@@ -523,15 +545,14 @@ struct cuda_executor {
   // rows of 2304 / 4608 tokens: 0.090 / 0.183 ms against 0.095 / 0.200 on the H100).
   int full_pairs_row_groups(std::int32_t d, std::int64_t rows, std::int32_t max_tokens) const {
     if (full_pairs_rows != 0) return full_pairs_rows / cuda::full_mma_columns(1);
-    int device = 0, per_sm = 0, reserved = 0, sms = 0;
+    int device = 0, per_sm = 0, reserved = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     const std::size_t two = cuda::full_mma_smem_bytes(d, 2);
     const bool fits = two <= static_cast<std::size_t>(shared_memory_limit()) &&
                       2 * (two + static_cast<std::size_t>(reserved)) <= static_cast<std::size_t>(per_sm);
-    const bool fills = rows * cuda::tiles_per_row(max_tokens, cuda::full_mma_columns(2)) >= 2 * std::int64_t{sms};
+    const bool fills = rows * cuda::tiles_per_row(max_tokens, cuda::full_mma_columns(2)) >= 2 * std::int64_t{multiprocessors()};
     return fits && fills ? 2 : 1;
   }
 
@@ -549,6 +570,12 @@ struct cuda_executor {
     return 2 * block > static_cast<std::size_t>(per_sm);
   }
 
+  static int multiprocessors() {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return sms;
+  }
   static int shared_memory_limit() {
     int device = 0, limit = 0;
     cudaGetDevice(&device);

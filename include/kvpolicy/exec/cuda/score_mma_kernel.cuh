@@ -159,6 +159,19 @@ __device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], std::
 // fits four too.
 inline constexpr int score_blocks_per_sm = 4;
 
+// Blocks per row of attention_score_mma_kernel's single pass (block statistics
+// given): the largest power of two whose blocks still fit the GPU's `slots` at once
+// (as compact_slices), at least four 64-key tiles each (a block loads its row's
+// queries, a quarter of four tiles' bytes at w G 64). Configuration A's 1024 rows take
+// one; a launch of one sequence (64 rows) eight.
+KVP_HOST_DEVICE constexpr std::int32_t score_key_splits(std::int64_t rows, std::int32_t max_tokens,
+                                                        std::int64_t slots) {
+  const std::int32_t tiles = (max_tokens + mma_key_tile - 1) / mma_key_tile;
+  std::int32_t n = 1;
+  while (rows * 2 * n <= slots && 2 * n * 4 <= tiles) n *= 2;
+  return n;
+}
+
 // Whether the score kernel's MMAs run on wgmma: the reduces in the fragments (so
 // every pass takes 64-row warpgroup tiles: queries by 64 in the statistics pass, keys
 // by 64 against 32-query chunks in the probability pass), whole 64-row tiles of
@@ -178,11 +191,13 @@ KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t
 // block_stats: the softmax statistics of each cache block of the row, written by the
 // kernel before (lightning_mma_kernel's stats_out), joined here in place of the
 // first pass over the keys; null to make that pass (when given, the reduces must run
-// in the fragments).
+// in the fragments). key_splits: blocks per row, each scoring an equal share of its
+// 64-key tiles (score_key_splits; blocks of a row adjacent), which only the single
+// pass over the keys allows; 1 without block_stats.
 template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
 __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
-                               std::int32_t* ready_out, const float2* block_stats) {
+                               std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits) {
   extern __shared__ uint4 smem16[];
   // Launched after lightning redundancy, this kernel may start in its last wave; it
   // waits for it before it reads the blocks' statistics (block_stats) and in any
@@ -191,9 +206,15 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
   const prerequisites_at_exit after_redundancy;
   allow_dependents();
   if (failed(rs)) return;
-  const row_coord rc = decode_row(rs, blockIdx.x);
+  const std::uint32_t row = blockIdx.x / static_cast<std::uint32_t>(key_splits);
+  const auto split = static_cast<std::int32_t>(blockIdx.x % static_cast<std::uint32_t>(key_splits));
+  const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = s.key_end(T);
+  // This block's keys [key_begin, key_end): whole tiles but for the row's last.
+  const std::int32_t tiles = (n + mma_key_tile - 1) / mma_key_tile;
+  const std::int32_t key_begin = split * tiles / key_splits * mma_key_tile,
+                     key_end = min(n, (split + 1) * tiles / key_splits * mma_key_tile);
   const std::int32_t d = HeadDim > 0 ? HeadDim : cache.head_dim, w = s.window, G = q.num_q_heads / cache.num_kv_heads;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const bool by_logits = s.group == group_reduce::max_logits;
@@ -215,6 +236,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       return padded_rows{pitch};
   }();
   if (use_wgmma && !score_wgmma_fits(s.group, w, G)) __trap();  // the executor's choice
+  if (key_splits > 1 && !block_stats) __trap();                  // likewise
 
   auto* qs = reinterpret_cast<std::uint16_t*>(smem16);
   // Two key tiles; buffer i starts at kbase + i * tile_elems (no array: a run-time
@@ -251,7 +273,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     wait_for_prerequisites();
     const std::int32_t b = cache.block_size, blocks = (n + b - 1) / b;
     const std::int64_t per_block = 2 * std::int64_t{rows};
-    const float2* row_stats = block_stats + std::int64_t{blockIdx.x} * ((rs.max_tokens + b - 1) / b) * per_block;
+    const float2* row_stats = block_stats + std::int64_t{row} * ((rs.max_tokens + b - 1) / b) * per_block;
     for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
       float2 st{ninf, 0.0f};
       for (std::int32_t blk = 0; blk < blocks; ++blk)
@@ -282,8 +304,8 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
         // (max, 1 / sum); a row that sees no key gets (0, 0), so its terms are 0, not NaN.
         stat[i] = st.x == ninf ? float2{0.0f, 0.0f} : float2{st.x, 1.0f / st.y};
       }
-    if (n > 0) {  // else no tile waits for the copy, and the next pass would copy again
-      load_tile(kbase, 0);
+    if (key_begin < key_end) {  // else no tile waits for the copy, and the next pass would copy again
+      load_tile(kbase, key_begin);
       cp_async_commit();
     }
     // A key's score from the window partials of every query chunk (chunk order),
@@ -293,21 +315,21 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       if (threadIdx.x < static_cast<unsigned>(mma_key_tile) && t < n) {
         float total = 0.0f;
         for (std::int32_t c = 0; c < rows / 32; ++c) total += part[(b * (rows / 32) + c) * mma_key_tile + threadIdx.x];
-        scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
+        scores[row * std::int64_t{rs.max_tokens} + t] =
             s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
       }
     };
     int buf = 0;
-    for (std::int32_t tile = 0; tile < n; tile += mma_key_tile, buf ^= 1) {
+    for (std::int32_t tile = key_begin; tile < key_end; tile += mma_key_tile, buf ^= 1) {
       // One barrier per tile: it publishes this tile and tells every warp is done
       // with the other buffer, which the next tile's copy then overwrites; with the
       // reduces in the fragments it also completes the previous tile's window partials.
       cp_async_wait<0>();
       if constexpr (use_wgmma) fence_async_shared();
       __syncthreads();
-      if (pass == 1 && in_fragments && tile > 0) finish_scores(tile - mma_key_tile, buf ^ 1);
+      if (pass == 1 && in_fragments && tile > key_begin) finish_scores(tile - mma_key_tile, buf ^ 1);
       const std::int32_t next = tile + mma_key_tile;
-      if (next < n) {
+      if (next < key_end) {
         load_tile(kbase + (buf ^ 1) * tile_elems, next);
         cp_async_commit();
       }
@@ -522,18 +544,18 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
         if (sub == 0 && valid) {
           float total = part[key];
           for (int k = 1; k < window_splits; ++k) total += part[k * mma_key_tile + key];
-          scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
+          scores[row * std::int64_t{rs.max_tokens} + t] =
               s.reduce == window_reduce::mean ? total * (1.0f / static_cast<float>(w)) : total;
         }
       }
     }
     // The last tile's window partials (buf has moved past its buffer).
-    if (pass == 1 && in_fragments && n > 0) {
+    if (pass == 1 && in_fragments && key_begin < key_end) {
       __syncthreads();
-      finish_scores((n - 1) / mma_key_tile * mma_key_tile, buf ^ 1);
+      finish_scores((key_end - 1) / mma_key_tile * mma_key_tile, buf ^ 1);
     }
   }
-  publish_scores(ready_out, blockIdx.x);
+  publish_scores(ready_out, row);
 }
 
 }  // namespace cuda
