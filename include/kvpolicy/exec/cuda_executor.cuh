@@ -545,14 +545,10 @@ struct cuda_executor {
   // rows of 2304 / 4608 tokens: 0.090 / 0.183 ms against 0.095 / 0.200 on the H100).
   int full_pairs_row_groups(std::int32_t d, std::int64_t rows, std::int32_t max_tokens) const {
     if (full_pairs_rows != 0) return full_pairs_rows / cuda::full_mma_columns(1);
-    int device = 0, per_sm = 0, reserved = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
     const std::size_t two = cuda::full_mma_smem_bytes(d, 2);
-    const bool fits = two <= static_cast<std::size_t>(shared_memory_limit()) &&
-                      2 * (two + static_cast<std::size_t>(reserved)) <= static_cast<std::size_t>(per_sm);
-    const bool fills = rows * cuda::tiles_per_row(max_tokens, cuda::full_mma_columns(2)) >= 2 * std::int64_t{multiprocessors()};
+    const bool fits = two <= static_cast<std::size_t>(shared_memory_limit()) && blocks_fit_per_sm(2, two);
+    const bool fills =
+        rows * cuda::tiles_per_row(max_tokens, cuda::full_mma_columns(2)) >= 2 * std::int64_t{multiprocessors()};
     return fits && fills ? 2 : 1;
   }
 
@@ -562,12 +558,18 @@ struct cuda_executor {
   // built as constants (64, 128) never need it.
   bool lightning_wide(const paged_kv_view& cache) const {
     if (!mma_keys(cache) || cache.head_dim == 64 || cache.head_dim == 128) return false;
+    return !blocks_fit_per_sm(2, cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim));
+  }
+
+  // Whether `blocks` blocks of `smem` bytes of dynamic shared memory fit on one SM of
+  // the current device, with the shared memory the runtime reserves per block.
+  static bool blocks_fit_per_sm(int blocks, std::size_t smem) {
     int device = 0, per_sm = 0, reserved = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
-    const std::size_t block = cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim) + std::size_t(reserved);
-    return 2 * block > static_cast<std::size_t>(per_sm);
+    return static_cast<std::size_t>(blocks) * (smem + static_cast<std::size_t>(reserved)) <=
+           static_cast<std::size_t>(per_sm);
   }
 
   static int multiprocessors() {

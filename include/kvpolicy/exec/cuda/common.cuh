@@ -54,6 +54,15 @@ __device__ inline row_coord decode_row(const row_space& rs, std::uint32_t r) {
           static_cast<std::int32_t>(mod_by(r, heads))};
 }
 
+// Blocks per row for a launch of few rows: the largest power of two up to `cap` (at
+// least 1) whose rows * n blocks still fit the GPU's `slots` at once, so that a split
+// never adds a wave.
+KVP_HOST_DEVICE constexpr std::int32_t splits_to_fill(std::int64_t rows, std::int64_t slots, std::int64_t cap) {
+  std::int32_t n = 1;
+  while (2 * n <= cap && rows * 2 * n <= slots) n *= 2;
+  return n;
+}
+
 // A flat grid over (row, tile of a row): a row's tiles are adjacent blocks, so the
 // blocks that stream one row's keys run at the same time and find them in L2. (A grid
 // of rows x tiles in y schedules every row's first tile before any second one: the

@@ -22,15 +22,14 @@ inline constexpr int compact_stages = 2;
 // aligned column ranges, each moved by a block of its own. Slices never share a byte
 // (byte o of a row moves from token t to the same byte of its destination), so they
 // need no ordering between them; they let a launch of few rows (one sequence: 64
-// rows) fill the GPU. The largest power of two whose blocks still fit the GPU's
-// `slots` at once (a split never adds a wave: at 256 rows, which fill 256 of the
-// H100's 264, two slices measured 0.202 -> 0.214 ms), with slices of at least 64 bytes.
+// rows) fill the GPU (splits_to_fill: at 256 rows, which fill 256 of the H100's 264
+// slots, two slices measured 0.202 -> 0.214 ms), with slices of at least 64 bytes on
+// 16-byte bounds (so at most the largest power of two dividing the row's 16-byte
+// vectors).
 inline constexpr std::int64_t compact_min_slice_bytes = 64;
 KVP_HOST_DEVICE constexpr std::int32_t compact_slices(std::int64_t rows, std::int64_t row_bytes, std::int64_t slots) {
-  std::int32_t n = 1;
-  while (rows * 2 * n <= slots && (row_bytes / 16) % (2 * n) == 0 && row_bytes / (2 * n) >= compact_min_slice_bytes)
-    n *= 2;
-  return n;
+  const std::int64_t vecs = row_bytes / 16, divides = vecs & -vecs, wide = row_bytes / compact_min_slice_bytes;
+  return splits_to_fill(rows, slots, divides < wide ? divides : wide);
 }
 
 // Tokens per chunk such that compact_stages chunks' K and V rows (or slices of them,

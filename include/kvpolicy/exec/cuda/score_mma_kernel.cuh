@@ -160,16 +160,12 @@ __device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], std::
 inline constexpr int score_blocks_per_sm = 4;
 
 // Blocks per row of attention_score_mma_kernel's single pass (block statistics
-// given): the largest power of two whose blocks still fit the GPU's `slots` at once
-// (as compact_slices), at least four 64-key tiles each (a block loads its row's
-// queries, a quarter of four tiles' bytes at w G 64). Configuration A's 1024 rows take
-// one; a launch of one sequence (64 rows) eight.
+// given): splits_to_fill, with at least four 64-key tiles per block (a block loads
+// its row's queries, a quarter of four tiles' bytes at w G 64). Configuration A's
+// 1024 rows take one; a launch of one sequence (64 rows) eight.
 KVP_HOST_DEVICE constexpr std::int32_t score_key_splits(std::int64_t rows, std::int32_t max_tokens,
                                                         std::int64_t slots) {
-  const std::int32_t tiles = (max_tokens + mma_key_tile - 1) / mma_key_tile;
-  std::int32_t n = 1;
-  while (rows * 2 * n <= slots && 2 * n * 4 <= tiles) n *= 2;
-  return n;
+  return splits_to_fill(rows, slots, tiles_per_row(max_tokens, mma_key_tile) / 4);
 }
 
 // Whether the score kernel's MMAs run on wgmma: the reduces in the fragments (so
