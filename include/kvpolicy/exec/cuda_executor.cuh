@@ -294,6 +294,10 @@ struct cuda_executor {
             : 1;
     std::int32_t* score_ready = chained && scores_last && key_splits == 1 ? ready + row0 : nullptr;
     std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
+    // Chained after lightning, the score kernel takes a row once that row's lightning
+    // blocks (one per cache block) are done, not once the whole grid is, so that rows
+    // are scored in lightning's last wave.
+    std::int32_t* stats_ready = chained && block_stats ? ready + 2 * plan.rows + row0 : nullptr;
     // The score kernel's launch with key_splits blocks per row.
     const auto launch_score_split = [&](auto kernel, std::size_t smem, auto... args) {
       launch(on.score, chained && lightning, kernel, rows * static_cast<unsigned>(key_splits), 1, smem, args...);
@@ -313,12 +317,13 @@ struct cuda_executor {
               if (wgmma) {
                 launch_score_split(cuda::attention_score_mma_kernel<S, Elem, HeadDim, true>, smem, pv.scorer, cache,
                                    queries, rs, score_buf, score_ready, static_cast<const float2*>(block_stats),
-                                   key_splits);
+                                   key_splits, static_cast<const std::int32_t*>(stats_ready));
                 return;
               }
             }
             launch_score_split(cuda::attention_score_mma_kernel<S, Elem, HeadDim>, smem, pv.scorer, cache, queries, rs,
-                               score_buf, score_ready, static_cast<const float2*>(block_stats), key_splits);
+                               score_buf, score_ready, static_cast<const float2*>(block_stats), key_splits,
+                               static_cast<const std::int32_t*>(stats_ready));
           });
         } else {
           const auto smem = cuda::attention_smem_floats(pv.scorer.window, G, cache.head_dim) * sizeof(float);
@@ -339,13 +344,13 @@ struct cuda_executor {
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
               const auto launch_lightning = [&]<bool Statistics>() {
                 launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim, Statistics>, blocks, smem, pv, cache, rs,
-                           red_buf, queries, block_stats);
+                           red_buf, queries, block_stats, stats_ready);
               };
               if constexpr (HeadDim == 0) {
                 if (wide)
                   return launch_threads(on.redundancy, false, cuda::lightning_mma_wide_kernel<P, Elem>, rows, blocks,
                                         cuda::lightning_wide_threads, smem, pv, cache, rs, red_buf, queries,
-                                        block_stats);
+                                        block_stats, stats_ready);
                 if (!block_stats) return launch_lightning.template operator()<false>();
               }
               launch_lightning.template operator()<true>();
@@ -489,8 +494,9 @@ struct cuda_executor {
     std::int64_t stats_per_row = 0;
     std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
-    // Row hand-off flags: [flag_sets][rows], score -> epilogue and epilogue -> layout.
-    static constexpr std::int32_t flag_sets = 2;
+    // Row hand-off flags: [flag_sets][rows], score -> epilogue, epilogue -> layout, and
+    // lightning -> score (a count of the row's finished cache blocks).
+    static constexpr std::int32_t flag_sets = 3;
   };
 
   // Whether the epilogue holds a row of scores (and its pooling copy) in shared memory.

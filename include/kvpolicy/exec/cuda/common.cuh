@@ -96,10 +96,15 @@ __device__ inline void wait_for_prerequisites() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-// Waits for the prerequisites when the thread leaves the kernel, by any return.
+// Waits for the prerequisites when the thread leaves the kernel, by any return: in
+// every block, or (every_block false, where the block waited for its rows instead)
+// only in the grid's last block, as last_block_waits_at_exit below.
 struct prerequisites_at_exit {
-  __device__ prerequisites_at_exit() {}
-  __device__ ~prerequisites_at_exit() { wait_for_prerequisites(); }
+  bool every_block = true;
+  __device__ explicit prerequisites_at_exit(bool every = true) : every_block(every) {}
+  __device__ ~prerequisites_at_exit() {
+    if (every_block || blockIdx.x == gridDim.x - 1) wait_for_prerequisites();
+  }
 };
 
 // The last block of a grid waits for the prerequisites as it leaves, so that the grid
@@ -126,24 +131,36 @@ __device__ inline void publish_row(std::int32_t* ready, std::uint32_t row) {
   if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ready + row), "r"(1) : "memory");
 #endif
 }
-__device__ inline void await_row(const std::int32_t* ready, std::uint32_t row) {
+// The same for a producer with several blocks per row (lightning: one per cache
+// block of the row): each adds 1 to ready[r] once its part of the row is written, and
+// the consumer waits for all `parts` of them.
+__device__ inline void publish_row_part(std::int32_t* ready, std::uint32_t row) {
+  __syncthreads();
+#if defined(__CUDA_ARCH__)
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ready + row), "r"(1) : "memory");
+#endif
+}
+__device__ inline void await_row_parts(const std::int32_t* ready, std::uint32_t row, std::int32_t parts) {
 #if defined(__CUDA_ARCH__)
   if (threadIdx.x == 0) {
     for (std::int32_t v = 0;;) {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ready + row) : "memory");
-      if (v != 0) break;
+      if (v >= parts) break;
       __nanosleep(200);
     }
   }
 #endif
   __syncthreads();
 }
+__device__ inline void await_row(const std::int32_t* ready, std::uint32_t row) { await_row_parts(ready, row, 1); }
 
 // A score kernel's row hand-off (none when `ready` is null): the epilogue reads
-// redundancy too, so the row is published once the kernel before, lightning, is done.
-__device__ inline void publish_scores(std::int32_t* ready, std::uint32_t row) {
+// redundancy too, so the row is published once the kernel before, lightning, is done
+// (with its whole grid, or with the row where the block waited for the row's
+// lightning blocks: redundancy_seen).
+__device__ inline void publish_scores(std::int32_t* ready, std::uint32_t row, bool redundancy_seen = false) {
   if (!ready) return;
-  wait_for_prerequisites();
+  if (!redundancy_seen) wait_for_prerequisites();
   publish_row(ready, row);
 }
 

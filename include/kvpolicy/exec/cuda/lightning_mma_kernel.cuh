@@ -44,9 +44,12 @@ inline constexpr std::int32_t wide_statistics_max_head_dim = 256;
 // whose reduces run in the fragments), the block also writes its keys' softmax
 // statistics for the row's window queries, at [row][blockIdx.y][block_statistics_count],
 // for the score kernel that follows. Statistics: whether the block has that code at all.
+// rows_done: null, or a count per row that each block raises once its outputs are
+// written (publish_row_part), for a score kernel that waits for rows, not the grid.
 template <class P, dtype Elem, int HeadDim, bool Statistics, int StatisticsMaxHeadDim>
 __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_view& cache, const row_space& rs,
-                                                    float* red_out, const query_window_view& q, float2* stats_out) {
+                                                    float* red_out, const query_window_view& q, float2* stats_out,
+                                                    std::int32_t* rows_done) {
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
@@ -137,6 +140,7 @@ __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_v
   const float inv_n = 1.0f / static_cast<float>(b);
   for (std::int32_t t = threadIdx.x; t < count; t += blockDim.x)
     red_out[row * rs.max_tokens + pos0 + t] = (rowsum[t] - dropped.of(t)) * inv_n / p.redundancy.tau;
+  if (rows_done) publish_row_part(rows_done, static_cast<std::uint32_t>(row));
 }
 
 // Three blocks per SM fit in shared memory (b = 256, d = 128), so the register cap is
@@ -147,8 +151,9 @@ __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_v
 template <class P, dtype Elem, int HeadDim = 0, bool Statistics = true>
 __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
                                                                     float* red_out, query_window_view q,
-                                                                    float2* stats_out) {
-  lightning_mma_block<P, Elem, HeadDim, Statistics, statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out);
+                                                                    float2* stats_out, std::int32_t* rows_done) {
+  lightning_mma_block<P, Elem, HeadDim, Statistics, statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out,
+                                                                             rows_done);
 }
 
 // For cache blocks whose keys leave room for one block per SM (b = 256 at d 224 and
@@ -162,8 +167,9 @@ template <class P, dtype Elem>
 __global__ void __launch_bounds__(lightning_wide_threads, 1) lightning_mma_wide_kernel(P p, paged_kv_view cache,
                                                                                      row_space rs, float* red_out,
                                                                                      query_window_view q,
-                                                                                     float2* stats_out) {
-  lightning_mma_block<P, Elem, 0, true, wide_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out);
+                                                                                     float2* stats_out,
+                                                                                     std::int32_t* rows_done) {
+  lightning_mma_block<P, Elem, 0, true, wide_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
 }
 
 }  // namespace cuda

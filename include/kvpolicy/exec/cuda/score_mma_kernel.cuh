@@ -189,17 +189,24 @@ KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t
 // first pass over the keys; null to make that pass (when given, the reduces must run
 // in the fragments). key_splits: blocks per row, each scoring an equal share of its
 // 64-key tiles (score_key_splits; blocks of a row adjacent), which only the single
-// pass over the keys allows; 1 without block_stats.
+// pass over the keys allows; 1 without block_stats. stats_ready (with block_stats):
+// lightning's per-row count of finished cache blocks (publish_row_part), so that a
+// block waits for its row's lightning blocks rather than for the whole grid; null
+// to wait for the grid.
 template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
 __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
-                               std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits) {
+                               std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits,
+                               const std::int32_t* stats_ready) {
   extern __shared__ uint4 smem16[];
   // Launched after lightning redundancy, this kernel may start in its last wave; it
-  // waits for it before it reads the blocks' statistics (block_stats) and in any
-  // case before it finishes, so that the epilogue, which waits for this kernel (or,
-  // given ready_out, for this block), sees both.
-  const prerequisites_at_exit after_redundancy;
+  // waits for it (or for its row of it: stats_ready) before it reads the blocks'
+  // statistics (block_stats) and in any case before it finishes (or, with
+  // stats_ready, its last block does, so that the grid still ends after lightning),
+  // so that the epilogue, which waits for this kernel (or, given ready_out, for this
+  // block), sees both.
+  if (stats_ready && !block_stats) __trap();  // the executor's choice
+  const prerequisites_at_exit after_redundancy{stats_ready == nullptr};
   allow_dependents();
   if (failed(rs)) return;
   const std::uint32_t row = blockIdx.x / static_cast<std::uint32_t>(key_splits);
@@ -265,9 +272,12 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
   const std::int32_t plain_end = QW == rows || in_fragments ? min(n, window_visible_end(s, T)) : 0;
   if (block_stats) {
     // The blocks' statistics, joined in block order (blocks past the candidates wrote
-    // none), once the kernel that wrote them has finished.
-    wait_for_prerequisites();
+    // none), once the kernel that wrote them has finished (or those blocks have).
     const std::int32_t b = cache.block_size, blocks = (n + b - 1) / b;
+    if (stats_ready)
+      await_row_parts(stats_ready, row, blocks);
+    else
+      wait_for_prerequisites();
     const std::int64_t per_block = 2 * std::int64_t{rows};
     const float2* row_stats = block_stats + std::int64_t{row} * ((rs.max_tokens + b - 1) / b) * per_block;
     for (std::int32_t i = threadIdx.x; i < rows; i += blockDim.x) {
@@ -551,7 +561,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       finish_scores((key_end - 1) / mma_key_tile * mma_key_tile, buf ^ 1);
     }
   }
-  publish_scores(ready_out, row);
+  publish_scores(ready_out, row, stats_ready != nullptr);
 }
 
 }  // namespace cuda
