@@ -52,7 +52,6 @@
 #include <concepts>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -420,19 +419,10 @@ struct bench_case {
     std::int32_t groups = 0;
   };
 
-  // Executor options from the environment, for A/B runs of one build
-  // (scripts/bench_ab.sh): KVP_BENCH_FUSED=0 sets fused_lightning_score false,
-  // KVP_BENCH_SCORE_LAG=N sets score_lag.
-  static void tune(kvp::cuda_executor& ex) {
-    if (const char* v = std::getenv("KVP_BENCH_FUSED")) ex.fused_lightning_score = std::atoi(v) != 0;
-    if (const char* v = std::getenv("KVP_BENCH_SCORE_LAG")) ex.score_lag = std::atoi(v);
-  }
-
   template <class P>
   cudaError_t compress(const P& p, cudaEvent_t* marks, bool with_keep = false, overlap o = {}) {
     kvp::cuda_executor ex;
     ex.stream = stream;
-    tune(ex);
     ex.stage_marks = marks;
     if (o.groups > 0) {
       ex.overlap_stream = o.side;

@@ -23,14 +23,9 @@ case_config zipage_case() {
 }
 
 // Captures a compression (on one stream, or overlapped over two in `groups` item
-// groups) in a CUDA graph, replays it, and compares with a direct run. Cache blocks
-// of 128 keys hold twice the window's 64 query rows, so lightning computes the
-// softmax statistics and, on one stream, runs with the score as one grid of tasks
-// (whose task counter the replay must find cleared).
-void capture_and_replay(std::int32_t groups = 0, std::int32_t block_size = 64) {
-  case_config cfg = zipage_case();
-  cfg.block_size = block_size;
-  const gpu_case c(cfg);
+// groups) in a CUDA graph, replays it, and compares with a direct run.
+void capture_and_replay(std::int32_t groups = 0) {
+  const gpu_case c(zipage_case());
   const std::vector<kvp::batch_item> items{{0, 0, 192, 0}, {1, 1, 192, 0}};
   const kvp::presets::zipage p;
 
@@ -55,7 +50,6 @@ void capture_and_replay(std::int32_t groups = 0, std::int32_t block_size = 64) {
     ex.overlap_events = fork_join;
     ex.overlap_groups = groups;
   }
-  CHECK(ex.redundancy_computes_statistics(p, graphed.cache, graphed.queries) == (block_size >= 128));
   std::size_t bytes = 0;
   REQUIRE_EQ(cudaSuccess, ex.compress(nullptr, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
   out.temp.resize(bytes);
@@ -91,10 +85,6 @@ void capture_and_replay(std::int32_t groups = 0, std::int32_t block_size = 64) {
 
 TEST_CASE("a whole compression is captured in a CUDA graph and replays to the same bytes") {
   capture_and_replay();
-}
-
-TEST_CASE("a compression with lightning and the score as one grid of tasks is captured in a CUDA graph and replays") {
-  capture_and_replay(0, 128);
 }
 
 TEST_CASE("an overlapped compression (item groups on two streams) is captured in a CUDA graph and replays") {
@@ -156,9 +146,8 @@ TEST_CASE("malformed shapes throw before any launch") {
   CHECK_THROWS_AS(kvp::cuda_executor{}.compress(nullptr, bytes, kvp::presets::zipage{}, bad, dev.queries, dev.scores,
                                                 out.batch, out.result),
                   kvp::error);
-  // The executor's options: the overlap's events, group count and second stream,
-  // full redundancy's tile of keys (128 or 256, or 0: chosen per device), and the
-  // score tasks' lag (not negative), each named.
+  // The executor's options: the overlap's events, group count and second stream, and
+  // full redundancy's tile of keys (128 or 256, or 0: chosen per device), each named.
   const auto option_error = [&](const kvp::cuda_executor& ex, const char* field) {
     try {
       (void)ex.compress(nullptr, bytes, kvp::presets::zipage{}, dev.cache, dev.queries, dev.scores, out.batch, out.result);
@@ -176,7 +165,6 @@ TEST_CASE("malformed shapes throw before any launch") {
   option_error({.stream = side, .overlap_stream = side, .overlap_events = fork_join}, "overlap_stream");
   cudaStreamDestroy(side);
   option_error({.full_pairs_rows = 100}, "full_pairs_rows");
-  option_error({.score_lag = -1}, "score_lag");
   // Full redundancy launches a block per (row, 64-key tile) in one grid dimension:
   // a batch that would need more blocks than it holds is refused, naming the count.
   auto huge = out.batch;

@@ -36,8 +36,6 @@ struct executor_options {
   bool statistics_in_redundancy = true;
   std::int32_t full_pairs_rows = 0;
   bool split_rows = true;
-  bool fused_lightning_score = true;
-  std::int32_t score_lag = 0;
 };
 
 struct parity_report {
@@ -72,8 +70,6 @@ void check_parity(const P& preset, const case_config& cfg, const std::vector<kvp
   cx.statistics_in_redundancy = opt.statistics_in_redundancy;
   cx.full_pairs_rows = opt.full_pairs_rows;
   cx.split_rows = opt.split_rows;
-  cx.fused_lightning_score = opt.fused_lightning_score;
-  cx.score_lag = opt.score_lag;
   // Overlap: redundancy on a second stream, item groups pipelined over the two.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_join[2] = {};
@@ -259,12 +255,6 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   // split them over several blocks; one block per row is what large batches take.
   run_random("zipage/one_block_per_row", kvp::presets::zipage{}, 30, 25, rep, {.split_rows = false});
   run_random("snapkv/one_block_per_row", kvp::presets::snapkv{}, 15, 26, rep, {.split_rows = false});
-  // Lightning and the score as two kernels, and the one grid of tasks with a score
-  // task right behind its row's lightning (lag 1) and after all of them (lag past
-  // the rows: the two kernels' order).
-  run_random("zipage/two_kernels", kvp::presets::zipage{}, 20, 27, rep, {.fused_lightning_score = false});
-  run_random("zipage/score_lag=1", kvp::presets::zipage{}, 20, 28, rep, {.score_lag = 1});
-  run_random("zipage/score_lag=1000", kvp::presets::zipage{}, 15, 29, rep, {.score_lag = 1000});
   run_random("zipage/fma", kvp::presets::zipage{}, 20, 9, rep, {.tensor_cores = false});
   run_random("snapkv/fma", kvp::presets::snapkv{}, 20, 10, rep, {.tensor_cores = false});
   run_random("zipage/overlap", kvp::presets::zipage{}, 30, 11, rep, {.overlap_groups = 3});

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -32,7 +31,6 @@
 #include "kvpolicy/exec/cuda/score_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/lightning_mma_kernel.cuh"
-#include "kvpolicy/exec/cuda/lightning_score_kernel.cuh"
 #include "kvpolicy/exec/cuda/full_mma_kernel.cuh"
 #include "kvpolicy/exec/cuda/validate_kernel.cuh"
 #include "kvpolicy/exec/device_status.hpp"
@@ -122,17 +120,6 @@ struct cuda_executor {
   // compaction each row's bytes into column slices (cuda::score_key_splits,
   // cuda::compact_slices); the results are the same. false: one block per row.
   bool split_rows = true;
-  // Chained on one stream (no stage marks), lightning and the score run as one grid
-  // of tasks (cuda::lightning_score_kernel) where the statistics are in the
-  // redundancy: a row is scored right after its lightning blocks, while its keys are
-  // in L2, beside other rows' lightning. false: the two kernels of the stage marks'
-  // order (lightning, then the score, which starts in lightning's last wave). The
-  // results are the same.
-  bool fused_lightning_score = true;
-  // Rows between a row's lightning tasks and its score tasks in that grid's order
-  // (cuda::lightning_score_tasks): 0 (default) takes half the rows whose tasks the
-  // GPU holds at once.
-  std::int32_t score_lag = 0;
 
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   cudaError_t compress(void* temp, std::size_t& temp_bytes, const pipeline<S, A, R, Sel, L>& p,
@@ -155,7 +142,6 @@ struct cuda_executor {
                 full_pairs_rows == cuda::full_mma_columns(2),
             "full_pairs_rows", "is {}; must be 0 (chosen per device), {} or {}", full_pairs_rows,
             cuda::full_mma_columns(1), cuda::full_mma_columns(2));
-    require(score_lag >= 0, "score_lag", "is {}; must be 0 (chosen per device) or a positive row count", score_lag);
 
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin, cache.num_kv_heads,
                        batch.max_tokens, out.status};
@@ -416,35 +402,7 @@ struct cuda_executor {
         }
       }
     };
-    // One grid of tasks for lightning and the score, given the statistics and rows
-    // handed on one by one; its order (lightning_score_tasks) a grid index fits.
-    const auto tasks_per_row = static_cast<unsigned>(blocks_per_item + key_splits);
-    const bool fused = fused_lightning_score && stats_ready && !lightning_wide(cache) &&
-                       std::uint64_t{rows} * tasks_per_row <= std::numeric_limits<std::int32_t>::max();
-    const auto lightning_score_stage = [&] {
-      if constexpr (lightning && AttentionScorer<S>) {
-        const cuda::lightning_score_tasks tasks{
-            rows, static_cast<unsigned>(blocks_per_item), static_cast<unsigned>(key_splits),
-            std::min(rows, score_lag > 0 ? static_cast<unsigned>(score_lag) : auto_score_lag(tasks_per_row))};
-        const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
-        const auto smem = std::max(cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim),
-                                   cuda::attention_mma_smem_bytes(pv.scorer.window, G, cache.head_dim, true));
-        const bool wgmma = cuda::score_wgmma_fits(pv.scorer.group, pv.scorer.window, G);
-        auto* ticket = reinterpret_cast<std::uint32_t*>(ready + 3 * plan.rows + row0);
-        with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
-          const auto go = [&]<bool Wgmma>() {
-            launch(on.redundancy, false, cuda::lightning_score_kernel<P, Elem, HeadDim, Wgmma>, tasks.count(), 1, smem,
-                   pv, cache, queries, rs, red_buf, score_buf, block_stats, stats_ready, score_ready, tasks, ticket);
-          };
-          if constexpr (HeadDim > 0)
-            if (wgmma) return go.template operator()<true>();
-          go.template operator()<false>();
-        });
-      }
-    };
-    if (fused) {
-      lightning_score_stage();
-    } else if (stats || (chained && lightning)) {
+    if (stats || (chained && lightning)) {
       redundancy_stage();
       mark(1);
       score_stage();
@@ -536,10 +494,9 @@ struct cuda_executor {
     std::int64_t stats_per_row = 0;
     std::size_t total = 0;
     std::int64_t rows = 0;  // of the whole batch
-    // Row hand-off flags: [flag_sets][rows], score -> epilogue, epilogue -> layout,
-    // lightning -> score (a count of the row's finished cache blocks), and the task
-    // counter of lightning_score_kernel (at the launch's first row).
-    static constexpr std::int32_t flag_sets = 4;
+    // Row hand-off flags: [flag_sets][rows], score -> epilogue, epilogue -> layout, and
+    // lightning -> score (a count of the row's finished cache blocks).
+    static constexpr std::int32_t flag_sets = 3;
   };
 
   // Whether the epilogue holds a row of scores (and its pooling copy) in shared memory.
@@ -619,12 +576,6 @@ struct cuda_executor {
     cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
     return static_cast<std::size_t>(blocks) * (smem + static_cast<std::size_t>(reserved)) <=
            static_cast<std::size_t>(per_sm);
-  }
-
-  // score_lag's default: half the rows whose tasks (per_row each) fill the GPU's
-  // blocks of lightning_score_kernel at once (three per SM).
-  static unsigned auto_score_lag(unsigned per_row) {
-    return std::max(1u, static_cast<unsigned>(3 * multiprocessors()) / per_row / 2);
   }
 
   static int multiprocessors() {

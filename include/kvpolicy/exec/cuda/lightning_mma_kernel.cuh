@@ -37,29 +37,27 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
 inline constexpr int lightning_wide_threads = 2 * row_threads;
 inline constexpr std::int32_t wide_statistics_max_head_dim = 256;
 
-// One block of lightning on tensor cores: cache block `blk` of row `row_index` (of
-// `blocks_per_row`), with blockDim.x / 128 warpgroups. HeadDim: the head dim as a
-// constant (64 and 128, from the executor), or 0 to read it at run time, as for
-// attention_score_mma_kernel.
+// One block of lightning on tensor cores: the (row, cache block) of blockIdx, with
+// blockDim.x / 128 warpgroups. HeadDim: the head dim as a constant (64 and 128, from
+// the executor), or 0 to read it at run time, as for attention_score_mma_kernel.
 // Given stats_out (a head dim of at most StatisticsMaxHeadDim and an attention scorer
 // whose reduces run in the fragments), the block also writes its keys' softmax
-// statistics for the row's window queries, at [row][blk][block_statistics_count],
+// statistics for the row's window queries, at [row][blockIdx.y][block_statistics_count],
 // for the score kernel that follows. Statistics: whether the block has that code at all.
 // rows_done: null, or a count per row that each block raises once its outputs are
 // written (publish_row_part), for a score kernel that waits for rows, not the grid.
 template <class P, dtype Elem, int HeadDim, bool Statistics, int StatisticsMaxHeadDim>
 __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_view& cache, const row_space& rs,
                                                     float* red_out, const query_window_view& q, float2* stats_out,
-                                                    std::int32_t* rows_done, std::uint32_t row_index,
-                                                    std::uint32_t blk, std::uint32_t blocks_per_row) {
+                                                    std::int32_t* rows_done) {
   extern __shared__ uint4 smem16[];
   allow_dependents();  // the score kernel may start in this kernel's last wave
   if (failed(rs)) return;
-  const std::int64_t row = row_index;
-  const row_coord rc = decode_row(rs, row_index);
+  const std::int64_t row = blockIdx.x;
+  const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = candidate_end(p.scorer, T);
-  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blk) * b;
+  const std::int32_t b = cache.block_size, pos0 = static_cast<std::int32_t>(blockIdx.y) * b;
   if (pos0 >= n) return;
   const std::int32_t count = min(b, n - pos0), d = HeadDim > 0 ? HeadDim : cache.head_dim;
   const std::int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -91,7 +89,7 @@ __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_v
     if constexpr (with_statistics) {
       const std::int32_t G = q.num_q_heads / cache.num_kv_heads;
       float2* out = stats_out && d <= StatisticsMaxHeadDim
-                        ? stats_out + (row * blocks_per_row + blk) * block_statistics_count(p.scorer.window, G)
+                        ? stats_out + (row * gridDim.y + blockIdx.y) * block_statistics_count(p.scorer.window, G)
                         : nullptr;
       return block_statistics<Elem, HeadDim, S, StatisticsMaxHeadDim>(p.scorer, q, rc.layer, it.query_slot, rc.head, G,
                                                                       T, d, out);
@@ -155,8 +153,7 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
                                                                     float* red_out, query_window_view q,
                                                                     float2* stats_out, std::int32_t* rows_done) {
   lightning_mma_block<P, Elem, HeadDim, Statistics, statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out,
-                                                                             rows_done, blockIdx.x, blockIdx.y,
-                                                                             gridDim.y);
+                                                                             rows_done);
 }
 
 // For cache blocks whose keys leave room for one block per SM (b = 256 at d 224 and
@@ -172,8 +169,7 @@ __global__ void __launch_bounds__(lightning_wide_threads, 1) lightning_mma_wide_
                                                                                      query_window_view q,
                                                                                      float2* stats_out,
                                                                                      std::int32_t* rows_done) {
-  lightning_mma_block<P, Elem, 0, true, wide_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done,
-                                                                     blockIdx.x, blockIdx.y, gridDim.y);
+  lightning_mma_block<P, Elem, 0, true, wide_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
 }
 
 }  // namespace cuda

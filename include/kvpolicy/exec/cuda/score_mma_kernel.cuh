@@ -192,15 +192,12 @@ KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t
 // pass over the keys allows; 1 without block_stats. stats_ready (with block_stats):
 // lightning's per-row count of finished cache blocks (publish_row_part), so that a
 // block waits for its row's lightning blocks rather than for the whole grid; null
-// to wait for the grid. The block scores split `block % key_splits` of row
-// `block / key_splits` (attention_score_mma_kernel: blockIdx.x; lightning_score_kernel:
-// its score tasks).
-template <AttentionScorer S, dtype Elem, int HeadDim, bool Wgmma>
-__device__ __forceinline__ void attention_score_mma_block(const S& s, const paged_kv_view& cache,
-                                                          const query_window_view& q, const row_space& rs,
-                                                          float* scores, std::int32_t* ready_out,
-                                                          const float2* block_stats, std::int32_t key_splits,
-                                                          const std::int32_t* stats_ready, std::uint32_t block) {
+// to wait for the grid.
+template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
+__global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
+    attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
+                               std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits,
+                               const std::int32_t* stats_ready) {
   extern __shared__ uint4 smem16[];
   // Launched after lightning redundancy, this kernel may start in its last wave; it
   // waits for it (or for its row of it: stats_ready) before it reads the blocks'
@@ -212,8 +209,8 @@ __device__ __forceinline__ void attention_score_mma_block(const S& s, const page
   const prerequisites_at_exit after_redundancy{stats_ready == nullptr};
   allow_dependents();
   if (failed(rs)) return;
-  const std::uint32_t row = block / static_cast<std::uint32_t>(key_splits);
-  const auto split = static_cast<std::int32_t>(block % static_cast<std::uint32_t>(key_splits));
+  const std::uint32_t row = blockIdx.x / static_cast<std::uint32_t>(key_splits);
+  const auto split = static_cast<std::int32_t>(blockIdx.x % static_cast<std::uint32_t>(key_splits));
   const row_coord rc = decode_row(rs, row);
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], n = s.key_end(T);
@@ -565,16 +562,6 @@ __device__ __forceinline__ void attention_score_mma_block(const S& s, const page
     }
   }
   publish_scores(ready_out, row, stats_ready != nullptr);
-}
-
-// The score kernel: attention_score_mma_block for blockIdx.x.
-template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
-__global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
-    attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
-                               std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits,
-                               const std::int32_t* stats_ready) {
-  attention_score_mma_block<S, Elem, HeadDim, Wgmma>(s, cache, q, rs, scores, ready_out, block_stats, key_splits,
-                                                     stats_ready, blockIdx.x);
 }
 
 }  // namespace cuda
