@@ -104,13 +104,20 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   const bool with_f = !f.empty() && v0 == 0;
   const std::size_t stage_vecs = 2 * std::size_t(chunk) * vecs;
 
-  // Finds chunk c0's kept tokens (the first of them kept index `written`), records
-  // their rows for `stage` and starts reading the moving ones into it (one cp.async
-  // group). Returns the chunk's kept count; the calling thread's token, if it moves
-  // and F moves with it, leaves its F value and destination in f_val and f_dst.
-  const auto gather = [&](std::int32_t c0, int stage, std::int32_t written, float& f_val, float*& f_dst) {
+  // The calling thread's keep flag in chunk c0 (0 past the row or the chunk).
+  const auto flag_of = [&](std::int32_t c0) -> std::int32_t {
     const std::int32_t t = c0 + static_cast<std::int32_t>(threadIdx.x);
-    const std::int32_t flag = (threadIdx.x < static_cast<unsigned>(chunk) && t < T) ? keep[row * rs.max_tokens + t] : 0;
+    return (threadIdx.x < static_cast<unsigned>(chunk) && t < T) ? keep[row * rs.max_tokens + t] : 0;
+  };
+  // Finds chunk c0's kept tokens (the first of them kept index `written`; `flag`:
+  // the thread's flag_of(c0), loaded a chunk ahead so that its latency passes under
+  // the chunk before), records their rows for `stage` and starts reading the moving
+  // ones into it (one cp.async group). Returns the chunk's kept count; the calling
+  // thread's token, if it moves and F moves with it, leaves its F value and
+  // destination in f_val and f_dst.
+  const auto gather = [&](std::int32_t c0, std::int32_t flag, int stage, std::int32_t written, float& f_val,
+                          float*& f_dst) {
+    const std::int32_t t = c0 + static_cast<std::int32_t>(threadIdx.x);
     std::int32_t before = 0, total = 0;
     scan(scan_tmp).ExclusiveSum(flag, before, total);
     f_dst = nullptr;
@@ -139,14 +146,16 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   float f_val = 0.0f, f_next_val = 0.0f;
   float *f_dst = nullptr, *f_next_dst = nullptr;
   std::int32_t written = 0;  // kept tokens before chunk c0
-  std::int32_t kept_next = gather(0, 0, 0, f_next_val, f_next_dst);
+  std::int32_t flag_next = flag_of(chunk);
+  std::int32_t kept_next = gather(0, flag_of(0), 0, 0, f_next_val, f_next_dst);
   int stage = 0;
   for (std::int32_t c0 = 0; c0 < T; c0 += chunk, stage ^= 1) {
     const std::int32_t kept = kept_next;
     f_val = f_next_val;
     f_dst = f_next_dst;
     if (c0 + chunk < T) {
-      kept_next = gather(c0 + chunk, stage ^ 1, written + kept, f_next_val, f_next_dst);
+      kept_next = gather(c0 + chunk, flag_next, stage ^ 1, written + kept, f_next_val, f_next_dst);
+      flag_next = flag_of(c0 + 2 * chunk);
       cp_async_wait<1>();  // this chunk's group; the next one's stays in flight
     } else {
       cp_async_wait<0>();
