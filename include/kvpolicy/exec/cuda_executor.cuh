@@ -294,13 +294,14 @@ struct cuda_executor {
             : 1;
     std::int32_t* score_ready = chained && scores_last && key_splits == 1 ? ready + row0 : nullptr;
     std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
+    // Lightning's kernel: lightning_mma_wide_kernel where only one block fits per SM.
+    const bool wide = lightning && lightning_wide(cache);
     // Chained after lightning, the score kernel takes a row once that row's lightning
     // blocks (one per cache block) are done, not once the whole grid is, so that rows
-    // are scored in lightning's last wave. Not after the wide lightning kernel (one
-    // block per SM): score blocks beside its last blocks slowed it, head_dim/zipage/256
-    // 3.118 -> 3.140 ms on an H200 (3.54 -> 3.56 on the H100).
-    std::int32_t* stats_ready =
-        chained && block_stats && !lightning_wide(cache) ? ready + 2 * plan.rows + row0 : nullptr;
+    // are scored in lightning's last wave. Not after the wide kernel: score blocks
+    // beside its last blocks slowed it, head_dim/zipage/256 3.53 -> 3.56 ms on the
+    // H100 (3.118 -> 3.140 on an H200).
+    std::int32_t* stats_ready = chained && block_stats && !wide ? ready + 2 * plan.rows + row0 : nullptr;
     // The score kernel's launch with key_splits blocks per row.
     const auto launch_score_split = [&](auto kernel, std::size_t smem, auto... args) {
       launch(on.score, chained && lightning, kernel, rows * static_cast<unsigned>(key_splits), 1, smem, args...);
@@ -343,7 +344,6 @@ struct cuda_executor {
           const auto blocks = static_cast<unsigned>(blocks_per_item);
           if (mma_keys(cache)) {
             const auto smem = cuda::lightning_mma_smem_bytes(cache.block_size, d);
-            const bool wide = lightning_wide(cache);
             with_mma_types(cache, [&]<dtype Elem, int HeadDim>() {
               const auto launch_lightning = [&]<bool Statistics>() {
                 launch_red(cuda::lightning_mma_kernel<P, Elem, HeadDim, Statistics>, blocks, smem, pv, cache, rs,
