@@ -12,7 +12,7 @@
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
 //   scale_seqs_stage/zipage/<S>     S = 1, 4: per-stage times (rows fewer than the SMs' block slots)
 //   scale_tokens/zipage/<T>         T = 2304, 4608, 9216 (N_max 9, 18, 36), 16 sequences
-//   head_dim/{zipage,gkv}/<d>       configuration A with head dim d = 64, 96, 256
+//   head_dim/{zipage,gkv}/<d>       configuration A with head dim d = 64, 96, 192, 256
 //   head_dim_stage/zipage/<d>       the same, per-stage times from the stage marks
 //   hnd/zipage/<d>, hnd_stage/...   configuration A (d 64, 128) in FlashInfer's HND layout
 //   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
@@ -699,8 +699,9 @@ void register_all() {
   }
 
   // Head dims other than configuration A's 128: 64 runs kernels built for it, as 128
-  // does; 96 and 256 those that read the head dim at run time.
-  for (int d : {64, 96, 256}) {
+  // does; 96, 192 and 256 those that read the head dim at run time (lightning with
+  // three, two and one block per SM).
+  for (int d : {64, 96, 192, 256}) {
     shape s = a;
     s.head_dim = d;
     add_row("head_dim/zipage/" + std::to_string(d), kvp::presets::zipage{}, s, row_kind::e2e, 20);

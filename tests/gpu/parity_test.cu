@@ -279,16 +279,17 @@ TEST_CASE("parity: head dims that are multiples of 16 but not powers of two") {
 
 // Lightning computes the score's softmax statistics for run-time head dims up to 128
 // too (its query fragments sized for 128, d / 16 k-steps used), and up to 256 where
-// only one of its blocks fits per SM (lightning_mma_wide_kernel: d 224 to 256 at
-// blocks of 256 on the H100): cases that take that path by construction (16-bit
-// keys, blocks of 256, so that 2 round32(w G) <= b), each checked to take it. Groups
-// of 8 past d 128 would ask the score kernel for more shared memory than it has.
+// fewer than three of its blocks fit per SM (at blocks of 256 on the H100,
+// lightning_mma_pair_kernel at d 144 to 208, lightning_mma_wide_kernel at d 224 to
+// 256): cases that take that path by construction (16-bit keys, blocks of 256, so
+// that 2 round32(w G) <= b), each checked to take it. Groups of 8 past d 128 would
+// ask the score kernel for more shared memory than it has.
 TEST_CASE("parity: lightning's softmax statistics at run-time head dims") {
   parity_report rep;
   case_config cfg{.layers = 2, .block_size = 256, .kv_heads = 2, .lengths = {3 * 256, 2 * 256 + 100, 300}};
   const std::vector<kvp::batch_item> items{{0, 0, 2 * 256, 0}, {1, 1, 256 + 50, 256 + 50}, {2, 2, 200, 0}};
   const kvp::presets::zipage zipage{};
-  for (const std::int32_t d : {16, 48, 80, 96, 112, 224, 240, 256})
+  for (const std::int32_t d : {16, 48, 80, 96, 112, 144, 192, 208, 224, 240, 256})
     for (const std::int32_t G : {1, 4, 8})
       for (const kvp::dtype type : {kvp::dtype::bf16, kvp::dtype::f16}) {
         if (d > 128 && G > 4) continue;

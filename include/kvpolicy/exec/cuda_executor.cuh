@@ -214,7 +214,8 @@ struct cuda_executor {
   // Whether the lightning kernel computes the window attention's softmax statistics
   // (statistics_in_redundancy): an attention scorer whose reduces run in the
   // fragments, both stages on tensor cores, head dim at most 128 (the query fragments
-  // live in registers; 256 where lightning_wide), and cache blocks of
+  // live in registers; 256 where fewer than three lightning blocks fit per SM, whose
+  // kernels have the registers), and cache blocks of
   // at least twice as many keys as the window has query rows (each lightning block
   // reads those queries; with fewer keys it would read more queries than keys).
   template <class P>
@@ -224,8 +225,8 @@ struct cuda_executor {
     if constexpr (AttentionScorer<S> && requires { requires R::pairs == redundancy::scope::block; }) {
       const std::int32_t G = queries.num_q_heads / cache.num_kv_heads;
       return statistics_in_redundancy && mma_scores(cache, queries) && cuda::reduces_in_fragments(p.scorer.group, G) &&
-             cache.head_dim <= (lightning_wide(cache) ? cuda::wide_statistics_max_head_dim
-                                                      : cuda::statistics_max_head_dim) &&
+             cache.head_dim <= (lightning_blocks_per_sm(cache) < 3 ? cuda::large_statistics_max_head_dim
+                                                                   : cuda::statistics_max_head_dim) &&
              2 * cuda::round32(p.scorer.window * G) <= cache.block_size;
     } else {
       return false;
@@ -294,8 +295,10 @@ struct cuda_executor {
             : 1;
     std::int32_t* score_ready = chained && scores_last && key_splits == 1 ? ready + row0 : nullptr;
     std::int32_t* select_ready = chained ? ready + plan.rows + row0 : nullptr;
-    // Lightning's kernel: lightning_mma_wide_kernel where only one block fits per SM.
-    const bool wide = lightning && lightning_wide(cache);
+    // Lightning's kernel by how many of its blocks fit per SM: lightning_mma_kernel
+    // (three), lightning_mma_pair_kernel (two), lightning_mma_wide_kernel (one).
+    const int lightning_per_sm = lightning ? lightning_blocks_per_sm(cache) : 3;
+    const bool wide = lightning_per_sm == 1;
     // Chained after lightning, the score kernel takes a row once that row's lightning
     // blocks (one per cache block) are done, not once the whole grid is, so that rows
     // are scored in lightning's last wave. Not after the wide kernel: score blocks
@@ -354,6 +357,9 @@ struct cuda_executor {
                   return launch_threads(on.redundancy, false, cuda::lightning_mma_wide_kernel<P, Elem>, rows, blocks,
                                         cuda::lightning_wide_threads, smem, pv, cache, rs, red_buf, queries,
                                         block_stats, stats_ready);
+                if (lightning_per_sm == 2 && block_stats)
+                  return launch_red(cuda::lightning_mma_pair_kernel<P, Elem>, blocks, smem, pv, cache, rs, red_buf,
+                                    queries, block_stats, stats_ready);
                 if (!block_stats) return launch_lightning.template operator()<false>();
               }
               launch_lightning.template operator()<true>();
@@ -561,13 +567,15 @@ struct cuda_executor {
     return fits && fills ? 2 : 1;
   }
 
-  // Whether lightning takes lightning_mma_wide_kernel: tensor cores, and cache blocks
-  // whose keys leave room for only one block of lightning_mma_kernel per SM (with the
-  // shared memory each block reserves), which would leave the SM 8 warps. Head dims
-  // built as constants (64, 128) never need it.
-  bool lightning_wide(const paged_kv_view& cache) const {
-    if (!mma_keys(cache) || cache.head_dim == 64 || cache.head_dim == 128) return false;
-    return !blocks_fit_per_sm(2, cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim));
+  // How many blocks of lightning on tensor cores fit per SM, up to three (with the
+  // shared memory each block reserves): one takes lightning_mma_wide_kernel (one block
+  // of 256 threads would leave the SM 8 warps), two lightning_mma_pair_kernel where it
+  // computes the statistics. Head dims built as constants (64, 128), and caches off
+  // tensor cores, count as three.
+  int lightning_blocks_per_sm(const paged_kv_view& cache) const {
+    if (!mma_keys(cache) || cache.head_dim == 64 || cache.head_dim == 128) return 3;
+    const std::size_t smem = cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim);
+    return blocks_fit_per_sm(3, smem) ? 3 : blocks_fit_per_sm(2, smem) ? 2 : 1;
   }
 
   // Whether `blocks` blocks of `smem` bytes of dynamic shared memory fit on one SM of

@@ -33,9 +33,10 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
 }
 
 // Threads of lightning_mma_wide_kernel, and the largest head dim whose statistics it
-// computes (its register cap is that of one block per SM, 128).
+// and lightning_mma_pair_kernel compute (their register cap is 128: one block of 512
+// threads or two of 256 per SM).
 inline constexpr int lightning_wide_threads = 2 * row_threads;
-inline constexpr std::int32_t wide_statistics_max_head_dim = 256;
+inline constexpr std::int32_t large_statistics_max_head_dim = 256;
 
 // One block of lightning on tensor cores: the (row, cache block) of blockIdx, with
 // blockDim.x / 128 warpgroups. HeadDim: the head dim as a constant (64 and 128, from
@@ -156,6 +157,18 @@ __global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, page
                                                                              rows_done);
 }
 
+// For cache blocks whose keys leave room for two blocks per SM but not three (b = 256
+// at d 144 to 208 on the H100), where lightning_mma_kernel's cap of three blocks'
+// registers buys nothing: the cap of two, under which the statistics' query fragments
+// fit up to d 256, so that the score kernel reads the keys once there too. Head dims
+// read at run time.
+template <class P, dtype Elem>
+__global__ void __launch_bounds__(row_threads, 2) lightning_mma_pair_kernel(P p, paged_kv_view cache, row_space rs,
+                                                                          float* red_out, query_window_view q,
+                                                                          float2* stats_out, std::int32_t* rows_done) {
+  lightning_mma_block<P, Elem, 0, true, large_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
+}
+
 // For cache blocks whose keys leave room for one block per SM (b = 256 at d 224 and
 // 256 on the H100, where lightning_mma_kernel ran 8 warps per SM: 12.5% occupancy):
 // twice the threads, so 16 warps, and the register cap of one block, under which the
@@ -169,7 +182,7 @@ __global__ void __launch_bounds__(lightning_wide_threads, 1) lightning_mma_wide_
                                                                                      query_window_view q,
                                                                                      float2* stats_out,
                                                                                      std::int32_t* rows_done) {
-  lightning_mma_block<P, Elem, 0, true, wide_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
+  lightning_mma_block<P, Elem, 0, true, large_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
 }
 
 }  // namespace cuda
