@@ -561,7 +561,7 @@ struct cuda_executor {
   int full_pairs_row_groups(std::int32_t d, std::int64_t rows, std::int32_t max_tokens) const {
     if (full_pairs_rows != 0) return full_pairs_rows / cuda::full_mma_columns(1);
     const std::size_t two = cuda::full_mma_smem_bytes(d, 2);
-    const bool fits = two <= static_cast<std::size_t>(shared_memory_limit()) && blocks_fit_per_sm(2, two);
+    const bool fits = two <= static_cast<std::size_t>(shared_memory_limit()) && blocks_per_sm(two) >= 2;
     const bool fills =
         rows * cuda::tiles_per_row(max_tokens, cuda::full_mma_columns(2)) >= 2 * std::int64_t{multiprocessors()};
     return fits && fills ? 2 : 1;
@@ -574,19 +574,18 @@ struct cuda_executor {
   // tensor cores, count as three.
   int lightning_blocks_per_sm(const paged_kv_view& cache) const {
     if (!mma_keys(cache) || cache.head_dim == 64 || cache.head_dim == 128) return 3;
-    const std::size_t smem = cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim);
-    return blocks_fit_per_sm(3, smem) ? 3 : blocks_fit_per_sm(2, smem) ? 2 : 1;
+    const std::size_t fit = blocks_per_sm(cuda::lightning_mma_smem_bytes(cache.block_size, cache.head_dim));
+    return static_cast<int>(std::clamp<std::size_t>(fit, 1, 3));
   }
 
-  // Whether `blocks` blocks of `smem` bytes of dynamic shared memory fit on one SM of
-  // the current device, with the shared memory the runtime reserves per block.
-  static bool blocks_fit_per_sm(int blocks, std::size_t smem) {
+  // How many blocks of `smem` bytes of dynamic shared memory fit on one SM of the
+  // current device, with the shared memory the runtime reserves per block.
+  static std::size_t blocks_per_sm(std::size_t smem) {
     int device = 0, per_sm = 0, reserved = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
-    return static_cast<std::size_t>(blocks) * (smem + static_cast<std::size_t>(reserved)) <=
-           static_cast<std::size_t>(per_sm);
+    return static_cast<std::size_t>(per_sm) / (smem + static_cast<std::size_t>(reserved));
   }
 
   static int multiprocessors() {
