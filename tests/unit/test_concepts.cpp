@@ -95,6 +95,52 @@ struct string_selector : good_selector {
 };
 static_assert(!kvp::Selector<string_selector>);
 
+// The three forms of a keep count: from the budget, from the budget and the head, from
+// the row's scores (select/selector_row.hpp), and what each is classified as.
+struct head_selector {
+  float rank_key(float s, std::int32_t, std::int32_t) const { return s; }
+  std::int32_t keep_count(std::int32_t, std::int32_t k, kvp::head_index h) const { return k + h.kv_head; }
+};
+static_assert(kvp::BudgetSelector<head_selector> && !kvp::ScoreDependentSelector<head_selector>);
+static_assert(kvp::Selector<head_selector> && !kvp::uniform_counts<head_selector>);
+static_assert(kvp::BudgetSelector<good_selector> && kvp::uniform_counts<good_selector>);
+struct row_selector {
+  float rank_key(float s, std::int32_t, std::int32_t) const { return s; }
+  template <class Row>
+  std::int32_t row_keep_count(const Row& row, std::int32_t) const {
+    return row.size() / 2;
+  }
+};
+static_assert(kvp::ScoreDependentSelector<row_selector> && !kvp::BudgetSelector<row_selector>);
+static_assert(kvp::Selector<row_selector> && !kvp::uniform_counts<row_selector>);
+// A row count of the wrong type, and one without a rank key.
+struct row_selector_float {
+  float rank_key(float s, std::int32_t, std::int32_t) const { return s; }
+  template <class Row>
+  float row_keep_count(const Row&, std::int32_t) const {
+    return 1.0f;
+  }
+};
+static_assert(!kvp::Selector<row_selector_float>);
+struct row_selector_no_rank {
+  template <class Row>
+  std::int32_t row_keep_count(const Row&, std::int32_t) const {
+    return 1;
+  }
+};
+static_assert(!kvp::Selector<row_selector_no_rank> && !kvp::RankingSelector<row_selector_no_rank>);
+// The head form of a key scorer, and a head index of the wrong type.
+struct head_key_scorer {
+  float key_score(kvp::row_ref, std::int32_t t, std::int32_t, kvp::head_index h) const {
+    return static_cast<float>(t + h.layer);
+  }
+};
+static_assert(kvp::KeyScorer<head_key_scorer> && kvp::Scorer<head_key_scorer>);
+struct layer_int_key_scorer {
+  float key_score(kvp::row_ref, std::int32_t, std::int32_t, std::int32_t, std::int32_t) const { return 0.0f; }
+};
+static_assert(!kvp::KeyScorer<layer_int_key_scorer>);
+
 // Not default constructible.
 struct no_default_selector : good_selector {
   explicit no_default_selector(int) {}

@@ -89,6 +89,66 @@ TEST_CASE("validation: block ids") {
   }
 }
 
+TEST_CASE("validation: a block another sequence holds is never written (prefix sharing)") {
+  SUBCASE("held by a sequence outside the batch") {
+    test_cache tc = make();
+    tc.raw_table()[tc.table_index(1, 0)] = tc.block(0, 1);  // seq 1's first block is seq 0's second
+    call c(tc);
+    c.items = {{.seq = 0, .query_slot = 0, .budget = 8}};
+    expect_error(small_zipage(), tc, c, "cache.table[seq 0][1]", "seq 1 (not in the batch)");
+  }
+  SUBCASE("the outside sequence compressed, the prefix owner not") {
+    test_cache tc = make();
+    tc.raw_table()[tc.table_index(1, 0)] = tc.block(0, 0);
+    call c(tc);
+    c.items = {{.seq = 1, .query_slot = 1, .budget = 6}};
+    expect_error(small_zipage(), tc, c, "cache.table[seq 1][0]", "seq 0 (not in the batch)");
+  }
+  SUBCASE("three sequences share a prefix block, one of them compressed") {
+    test_cache tc({.layers = 2, .block_size = 4, .kv_heads = 2, .head_dim = 4, .type = kvp::dtype::f32,
+                   .lengths = {12, 9, 10}, .q_heads = 4, .window = 4, .slots = 3, .seed = 7});
+    tc.raw_table()[tc.table_index(1, 0)] = tc.block(0, 0);
+    tc.raw_table()[tc.table_index(2, 0)] = tc.block(0, 0);
+    call c(tc);
+    c.items = {{.seq = 2, .query_slot = 2, .budget = 6}};
+    expect_error(small_zipage(), tc, c, "cache.table[seq 2][0]", "not in the batch");
+  }
+  SUBCASE("marked shared by the engine's refcounts") {
+    test_cache tc = make();
+    std::vector<std::int32_t> refcounts(static_cast<std::size_t>(tc.num_blocks()), 1);
+    refcounts[static_cast<std::size_t>(tc.block(0, 2))] = 2;
+    call c(tc);
+    c.cache.sharing.refcounts = refcounts.data();
+    expect_error(small_zipage(), tc, c, "cache.table[seq 0][2]", "cache.sharing");
+  }
+  SUBCASE("marked shared by the engine's bitmask") {
+    test_cache tc = make();
+    std::vector<std::uint32_t> bits(static_cast<std::size_t>(tc.num_blocks() + 31) / 32, 0u);
+    const int id = tc.block(1, 1);
+    bits[static_cast<std::size_t>(id / 32)] |= 1u << (id % 32);
+    call c(tc);
+    c.cache.sharing.bitmask = bits.data();
+    expect_error(small_zipage(), tc, c, "cache.table[seq 1][1]", "cache.sharing");
+  }
+  SUBCASE("a marker on blocks the batch does not hold is no error") {
+    test_cache tc = make();
+    std::vector<std::int32_t> refcounts(static_cast<std::size_t>(tc.num_blocks()), 3);
+    for (int b = 0; b < 3; ++b) refcounts[static_cast<std::size_t>(tc.block(0, b))] = 1;
+    call c(tc);
+    c.cache.sharing.refcounts = refcounts.data();
+    c.items = {{.seq = 0, .query_slot = 0, .budget = 8}};
+    const auto res = kvp::host_executor{}.compress(small_zipage(), c.cache, c.queries, c.scores, kvp_test::make_batch(c.items));
+    CHECK(res.new_lengths == std::vector<int>{8});
+  }
+  SUBCASE("a sequence outside the batch with a length its table cannot hold") {
+    test_cache tc = make();
+    tc.raw_lengths()[1] = 999;
+    call c(tc);
+    c.items = {{.seq = 0, .query_slot = 0, .budget = 8}};
+    expect_error(small_zipage(), tc, c, "cache.lengths[1]", "999");
+  }
+}
+
 TEST_CASE("validation: budgets, windows, histories") {
   test_cache tc = make();
   SUBCASE("budget larger than the sequence") {

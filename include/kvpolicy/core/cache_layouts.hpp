@@ -24,6 +24,7 @@ struct sequence_table {
   block_table_view table;
   const std::int32_t* lengths = nullptr;
   std::int32_t num_seqs = 0;
+  block_sharing sharing{};  // optional: blocks other requests read too (core/block_sharing.hpp)
 };
 
 namespace layouts {
@@ -40,6 +41,7 @@ constexpr paged_kv_view make(const cache_shape& s, const sequence_table& q) noex
   v.table = q.table;
   v.lengths = q.lengths;
   v.num_seqs = q.num_seqs;
+  v.sharing = q.sharing;
   return v;
 }
 // Row-major strides of `[num_blocks, b, h, d]` (NHD) with a given block stride.

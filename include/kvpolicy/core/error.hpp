@@ -30,7 +30,7 @@ std::string format(std::string_view f, const Args&... args) {
 
 // A field's path made of a pattern and values ("cache.{}.table[{}]"), formatted only
 // when its check fails: validation runs on every call, and formatting the paths
-// eagerly took some 8 us of the CUDA executor's host time per compression.
+// eagerly was a large share of the CUDA executor's host time per compression.
 template <class... Args>
 struct field_path {
   std::string_view pattern;

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/block_sharing.hpp"
 #include "kvpolicy/core/block_table.hpp"
 #include "kvpolicy/core/dtype.hpp"
 
@@ -59,6 +60,7 @@ struct paged_kv_view {
   kv_strides k_stride, v_stride;
   block_table_view table;
   const std::int32_t* lengths = nullptr;  // [num_seqs] tokens held by each sequence
+  block_sharing sharing{};                // optional: blocks other requests read too
 
   KVP_HOST_DEVICE std::int32_t physical_block(std::int32_t seq, std::int32_t t) const noexcept {
     return table.block(seq, t / block_size);

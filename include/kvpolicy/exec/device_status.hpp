@@ -18,23 +18,27 @@ enum class status_code : std::int32_t {
   length_out_of_range,      // a = seq, b = length, c = capacity in tokens
   length_over_max_tokens,   // a = seq, b = length, c = max_tokens
   block_out_of_range,       // a = seq, b = logical block, c = block id
-  block_repeated,           // a = seq, b = logical block, c = block id, d = other seq
+  block_repeated,           // a = seq, b = logical block, c = block id, d = the other seq (in the batch, or itself)
   budget_not_positive,      // a = budget
   budget_over_length,       // a = budget, b = seq, c = length
   window_over_length,       // a = window, b = seq, c = length, d = 0 scorer / 1 protect
   history_out_of_range,     // a = history, b = length
   query_slot_out_of_range,  // a = slot, b = slots
-  budget_under_protected,   // a = budget, b = keep count, c = protected, d = length
+  budget_under_protected,   // a = budget, b = keep count, c = protected, d = length, e = layer, f = KV head
+  block_held_outside_batch,  // a = seq, b = logical block, c = block id, d = the other seq (not in the batch)
+  block_marked_shared,       // a = seq, b = logical block, c = block id
 };
 
-// Words: [code, item, a, b, c, d]. The first error found wins (atomicCAS on code).
-inline constexpr int status_words = 6;
+// Words: [code, item, a, b, c, d, e, f]. The first error found wins (atomicCAS on code).
+// The item is -1 for a sequence outside the batch.
+inline constexpr int status_words = 8;
 
 // Throws the kvp::error the host executor would have thrown for the same input.
 inline void throw_if_error(const std::int32_t* w) {
   const auto code = static_cast<status_code>(w[0]);
-  const std::int32_t i = w[1], a = w[2], b = w[3], c = w[4], d = w[5];
-  auto item = [&](const char* f) { return detail::format("batch[{}].{}", i, f); };
+  const std::int32_t i = w[1], a = w[2], b = w[3], c = w[4], d = w[5], e = w[6], f = w[7];
+  auto item = [&](const char* field) { return detail::format("batch[{}].{}", i, field); };
+  auto entry = [&] { return detail::format("cache.table[seq {}][{}]", a, b); };
   switch (code) {
     case status_code::ok: return;
     case status_code::seq_out_of_range: throw error(item("seq"), detail::format("is {}; out of the cache's sequences", a));
@@ -45,10 +49,11 @@ inline void throw_if_error(const std::int32_t* w) {
     case status_code::length_over_max_tokens:
       throw error("batch.max_tokens", detail::format("is {}; seq {} holds {} tokens", c, a, b));
     case status_code::block_out_of_range:
-      throw error(detail::format("cache.table[seq {}][{}]", a, b), detail::format("is block id {}; out of range", c));
+      throw error(entry(), detail::format("is block id {}; out of range", c));
     case status_code::block_repeated:
-      throw error(detail::format("cache.table[seq {}][{}]", a, b),
-                  detail::format("is block id {}, already used by seq {}", c, d));
+      throw error(entry(), detail::format("is block id {}, already used by seq {}; a block two sequences share is "
+                                          "never written",
+                                          c, d));
     case status_code::budget_not_positive: throw error(item("budget"), detail::format("is {}; must be positive", a));
     case status_code::budget_over_length:
       throw error(item("budget"), detail::format("is {}; larger than seq {}'s {} tokens", a, b, c));
@@ -60,7 +65,16 @@ inline void throw_if_error(const std::int32_t* w) {
     case status_code::query_slot_out_of_range:
       throw error(item("query_slot"), detail::format("is {}; the query window view has {} slots", a, b));
     case status_code::budget_under_protected:
-      throw error(item("budget"), detail::format("is {}; it keeps {} tokens, but {} are protected of {}", a, b, c, d));
+      throw error(item("budget"), detail::format("is {}; it keeps {} tokens in layer {} head {}, but {} are protected of {}",
+                                                 a, b, e, f, c, d));
+    case status_code::block_held_outside_batch:
+      throw error(entry(), detail::format("is block id {}, which seq {} (not in the batch) also holds; a block two "
+                                          "sequences share is never written",
+                                          c, d));
+    case status_code::block_marked_shared:
+      throw error(entry(), detail::format("is block id {}, which cache.sharing marks as shared with another request; "
+                                          "a shared block is never written",
+                                          c));
   }
   throw error("status", detail::format("unknown device status code {}", w[0]));
 }

@@ -10,6 +10,7 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
@@ -62,7 +63,9 @@ struct host_executor {
     host_result out;
     const std::size_t items = batch.items.size();
     out.new_lengths.resize(items);
+    out.kept_counts.resize(items);
     out.released_blocks.resize(items);
+    out.nonfinite_scores.assign(items, 0);
     if (record_keep_masks) out.keep_masks.resize(items);
     if (record_scores) out.scores.resize(items);
 
@@ -77,15 +80,18 @@ struct host_executor {
       const batch_item& it = batch.items[i];
       const std::int32_t T = cache.lengths[it.seq];
       const std::int32_t n = candidate_end(p.scorer, T);
+      const std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window);
       const std::size_t row_count = static_cast<std::size_t>(layers.end - layers.begin) * H;
       if (record_keep_masks) out.keep_masks[i].assign(row_count * T, 1);
       if (record_scores) out.scores[i].assign(row_count * T, 0.0f);
-      std::int32_t new_length = T;
+      out.kept_counts[i].assign(row_count, T);
+      std::int32_t new_length = moves_tokens<L>() ? 0 : T;
 
       for (std::int32_t l = layers.begin; l < layers.end; ++l) {
         for (std::int32_t h = 0; h < H; ++h) {
           const std::size_t row = static_cast<std::size_t>(l - layers.begin) * H + h;
-          std::vector<float> s(static_cast<std::size_t>(T), 0.0f), keys;
+          const head_index head{l, h};
+          std::vector<float> s(static_cast<std::size_t>(T), 0.0f), keys, raw;
           const std::span<float> cand(s.data(), static_cast<std::size_t>(n));
 
           timed(stage::score, [&] {
@@ -95,6 +101,7 @@ struct host_executor {
             } else if constexpr (KeyScorer<S>) {
               host::key_scores(p.scorer, cache, l, it.seq, h, T, s);
             }
+            if constexpr (ScoreDependentSelector<Sel>) raw = s;  // what the selector sees as `raw`
           });
 
           timed(stage::aggregate, [&] {
@@ -120,20 +127,21 @@ struct host_executor {
           }
 
           std::vector<std::uint8_t> keep;
+          std::int32_t kept = T;
           timed(stage::select, [&] {
+            out.nonfinite_scores[i] += host::count_nonfinite(cand);
             host::apply_protect(p.protect, s, n);
-            if constexpr (std::same_as<Sel, none>) {
-              keep.assign(static_cast<std::size_t>(T), 1);
-            } else {
-              keep = host::select_keep(p.select, s, it.budget);
-            }
+            kept = host::keep_count(p.select, s, raw, n, must, it.budget, head);
+            keep = host::select_top(p.select, s, kept);
           });
+          out.kept_counts[i][row] = kept;
           if (record_scores) std::copy(s.begin(), s.end(), out.scores[i].begin() + row * T);
           if (record_keep_masks) std::copy(keep.begin(), keep.end(), out.keep_masks[i].begin() + row * T);
 
           timed(stage::layout, [&] {
             if constexpr (moves_tokens<L>()) {
-              new_length = host::compact_row(p.layout, cache, with_f ? scores : score_view{}, l, it.seq, h, keep);
+              new_length = std::max(new_length,
+                                    host::compact_row(p.layout, cache, with_f ? scores : score_view{}, l, it.seq, h, keep));
             }
           });
         }

@@ -26,11 +26,21 @@ struct stage_times {
 };
 
 struct host_result {
-  // Per batch item: tokens each (layer, KV head) holds after the layout.
+  // Per batch item: the length of the item's block table after the layout: the
+  // largest kept count of every (layer, KV head) of the batch (the sequence's old
+  // length where the layout moves nothing).
   std::vector<std::int32_t> new_lengths;
-  // Per batch item: physical blocks past the new length, now free for the engine
-  // (once every layer has been compressed).
+  // Per batch item: tokens each (layer, KV head) keeps, `[layer][kv_head]` (layers of
+  // the batch only); with a layout that moves tokens, the valid prefix of each head.
+  // Uniform selectors keep the same count everywhere.
+  std::vector<std::vector<std::int32_t>> kept_counts;
+  // Per batch item: physical blocks past the new length, now free for the engine.
+  // Layers share a block table: when an item's layers are compressed in several
+  // calls, release only what merge_layer_groups (exec/layer_groups.hpp) returns.
   std::vector<std::vector<std::int32_t>> released_blocks;
+  // Per batch item: candidate scores that were NaN or infinite before protect (they
+  // rank by the rule of docs/pipeline.md, "Non-finite scores"), for the engine's log.
+  std::vector<std::int32_t> nonfinite_scores;
   // Per batch item, when asked for: `[layer][kv_head][T]` (layers of the batch only).
   std::vector<std::vector<std::uint8_t>> keep_masks;
   // Per batch item, when asked for: final scores after protect, `[layer][kv_head][T]`.

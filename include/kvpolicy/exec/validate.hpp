@@ -11,6 +11,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/batch.hpp"
 #include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
@@ -144,13 +145,32 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   require(p.protect.sinks >= 0, "pipeline.protect.sinks", "is {}; must not be negative", p.protect.sinks);
 }
 
-// Checks the batch against the engine's lengths and block table. Reads those arrays,
-// so it runs where they live (the host executor calls it directly).
+// Checks the batch against the engine's lengths and block table, and that no block a
+// batch sequence holds is shared: held by another sequence of the view (in the
+// batch or not), or marked by cache.sharing. Reads those arrays, so it runs where
+// they live (the host executor calls it directly; the CUDA executor's validation
+// kernels check the same on the device).
 template <class P>
 void validate_batch(const P& p, const paged_kv_view& cache, const query_window_view& queries,
                     const compression_batch& batch) {
-  std::unordered_map<std::int32_t, std::int32_t> seq_of_block;  // block id -> seq using it
+  struct holder {
+    std::int32_t seq, index;  // the sequence holding the block, and the block's index in its table
+  };
+  std::unordered_map<std::int32_t, holder> batch_blocks;  // block id -> the batch sequence holding it
   std::vector<bool> seen_seq(static_cast<std::size_t>(cache.num_seqs), false);
+  const auto check_length = [&](std::int32_t seq) {
+    const std::int32_t T = cache.lengths[seq];
+    const std::int64_t capacity = cache.table.capacity(seq) * cache.block_size;
+    require(T >= 0 && T <= capacity, detail::path("cache.lengths[{}]", seq),
+            "is {}; the block table holds room for {} tokens", T, capacity);
+    return (T + cache.block_size - 1) / cache.block_size;
+  };
+  const auto check_id = [&](std::int32_t seq, std::int32_t b) {
+    const std::int32_t id = cache.table.block(seq, b);
+    require(id >= 0 && id < cache.num_blocks, detail::path("cache.table[seq {}][{}]", seq, b),
+            "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
+    return id;
+  };
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
     const batch_item& it = batch.items[i];
     const auto field = [&](const char* name) { return detail::path("batch[{}].{}", i, name); };
@@ -160,17 +180,17 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
     seen_seq[static_cast<std::size_t>(it.seq)] = true;
 
     const std::int32_t T = cache.lengths[it.seq];
-    const std::int64_t capacity = cache.table.capacity(it.seq) * cache.block_size;
-    require(T >= 0 && T <= capacity, detail::path("cache.lengths[{}]", it.seq),
-            "is {}; the block table holds room for {} tokens", T, capacity);
-    const std::int32_t blocks = (T + cache.block_size - 1) / cache.block_size;
+    const std::int32_t blocks = check_length(it.seq);
     for (std::int32_t b = 0; b < blocks; ++b) {
-      const std::int32_t id = cache.table.block(it.seq, b);
-      require(id >= 0 && id < cache.num_blocks, detail::path("cache.table[seq {}][{}]", it.seq, b),
-              "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
-      const auto [pos, fresh] = seq_of_block.emplace(id, it.seq);
-      require(fresh, detail::path("cache.table[seq {}][{}]", it.seq, b), "is block id {}, already used by seq {}", id,
-              pos->second);
+      const std::int32_t id = check_id(it.seq, b);
+      const auto [pos, fresh] = batch_blocks.emplace(id, holder{it.seq, b});
+      require(fresh, detail::path("cache.table[seq {}][{}]", it.seq, b),
+              "is block id {}, already used by seq {}; a block two sequences share is never written", id,
+              pos->second.seq);
+      require(!cache.sharing.marked() || !cache.sharing.shared(id), detail::path("cache.table[seq {}][{}]", it.seq, b),
+              "is block id {}, which cache.sharing marks as shared with another request; a shared block is never "
+              "written",
+              id);
     }
 
     require(it.budget > 0, field("budget"), "is {}; must be positive", it.budget);
@@ -185,12 +205,35 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
       require(it.query_slot >= 0 && it.query_slot < queries.num_slots, field("query_slot"),
               "is {}; the query window view has {} slots", it.query_slot, queries.num_slots);
     }
-    if constexpr (!std::same_as<typename P::select_type, none>) {
-      const std::int32_t keep = p.select.keep_count(T, it.budget);
+    using Sel = typename P::select_type;
+    if constexpr (BudgetSelector<Sel> && !ScoreDependentSelector<Sel>) {
+      // Score-dependent counts are checked by definition: they keep the protected
+      // tokens and at most the row (SPEC.md, Selectors).
       const std::int32_t must = protected_count(T, candidate_end(p.scorer, T), p.protect.sinks, p.protect.window);
-      require(keep >= must && keep <= T, field("budget"),
-              "is {}; it keeps {} tokens, but {} are protected (sinks {}, window {}) of {}", it.budget, keep, must,
-              p.protect.sinks, p.protect.window, T);
+      const layer_range layers = resolve_layers(batch, cache);
+      const std::int32_t heads = uniform_counts<Sel> ? 1 : cache.num_kv_heads;
+      for (std::int32_t l = layers.begin; l < (uniform_counts<Sel> ? layers.begin + 1 : layers.end); ++l)
+        for (std::int32_t h = 0; h < heads; ++h) {
+          const std::int32_t keep = budget_keep_count(p.select, T, it.budget, head_index{l, h});
+          require(keep >= must && keep <= T, field("budget"),
+                  "is {}; it keeps {} tokens in layer {} head {}, but {} are protected (sinks {}, window {}) of {}",
+                  it.budget, keep, l, h, must, p.protect.sinks, p.protect.window, T);
+        }
+    }
+  }
+  // The other sequences of the view: well-formed where they are read, and holding no
+  // block of a batch sequence (a prefix they share would be overwritten under them).
+  for (std::int32_t seq = 0; seq < cache.num_seqs; ++seq) {
+    if (seen_seq[static_cast<std::size_t>(seq)]) continue;
+    const std::int32_t blocks = check_length(seq);
+    for (std::int32_t b = 0; b < blocks; ++b) {
+      const std::int32_t id = check_id(seq, b);
+      const auto at = batch_blocks.find(id);
+      if (at == batch_blocks.end()) continue;
+      require(false, detail::path("cache.table[seq {}][{}]", at->second.seq, at->second.index),
+              "is block id {}, which seq {} (not in the batch) also holds; a block two sequences share is never "
+              "written",
+              id, seq);
     }
   }
 }

@@ -7,10 +7,12 @@
 #include <type_traits>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/none.hpp"
 #include "kvpolicy/core/row_ref.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"
 #include "kvpolicy/scorer/reductions.hpp"
+#include "kvpolicy/select/selector_row.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -40,12 +42,16 @@ concept AttentionScorer = Policy<S> && requires(const S& s, float p, std::int32_
   { s.key_end(i) } -> std::same_as<std::int32_t>;
 };
 
-// Scores from each key alone (e.g. key norm). Given `const S s; row_ref k; int32_t t, T;`:
-//   s.key_score(k, t, T) -> float   score of the key k at position t of T
+// Scores from each key alone (e.g. key norm). Given `const S s; row_ref k; int32_t t, T;
+// head_index h;`, one of:
+//   s.key_score(k, t, T)    -> float   score of the key k at position t of T
+//   s.key_score(k, t, T, h) -> float   ... of the row's (layer, KV head) h
 template <class S>
-concept KeyScorer = Policy<S> && requires(const S& s, row_ref k, std::int32_t t) {
-  { s.key_score(k, t, t) } -> std::same_as<float>;
-};
+concept KeyScorer = Policy<S> && (requires(const S& s, row_ref k, std::int32_t t) {
+                      { s.key_score(k, t, t) } -> std::same_as<float>;
+                    } || requires(const S& s, row_ref k, std::int32_t t, head_index h) {
+                      { s.key_score(k, t, t, h) } -> std::same_as<float>;
+                    });
 
 template <class S>
 concept Scorer = std::same_as<S, none> || AttentionScorer<S> || KeyScorer<S>;
@@ -99,14 +105,37 @@ concept Redundancy = std::same_as<R, none> || (Policy<R> && requires(const R& r,
                        { r.combine(s, s) } -> std::same_as<float>;
                      });
 
-// Scores -> keep mask. Given `const S s; float x; int32_t t, T, k;`:
+// Scores -> keep mask. A selector ranks the tokens of a row and keeps a count of the
+// top ones. Given `const S s; float x; int32_t t, T, k;`:
 //   s.rank_key(x, t, T) -> float    tokens are kept by descending key; ties go to the larger t
-//   s.keep_count(T, k)  -> int32_t  how many to keep, given the batch item's budget k
 template <class S>
-concept Selector = std::same_as<S, none> || (Policy<S> && requires(const S& s, float x, std::int32_t t) {
-                     { s.rank_key(x, t, t) } -> std::same_as<float>;
-                     { s.keep_count(t, t) } -> std::same_as<std::int32_t>;
-                   });
+concept RankingSelector = Policy<S> && requires(const S& s, float x, std::int32_t t) {
+  { s.rank_key(x, t, t) } -> std::same_as<float>;
+};
+
+// The count known before any score (every head alike, or per head). Given also
+// `head_index h;`, one of:
+//   s.keep_count(T, k)     -> int32_t  how many to keep, given the batch item's budget k
+//   s.keep_count(T, k, h)  -> int32_t  ... in the row's (layer, KV head) h
+template <class S>
+concept BudgetSelector = RankingSelector<S> && (requires(const S& s, std::int32_t t) {
+                           { s.keep_count(t, t) } -> std::same_as<std::int32_t>;
+                         } || requires(const S& s, std::int32_t t, head_index h) {
+                           { s.keep_count(t, t, h) } -> std::same_as<std::int32_t>;
+                         });
+
+// The count read off the row's scores (top-p mass, a calibrated temperature). Given
+// the row `row` of select/selector_row.hpp:
+//   s.row_keep_count(row, k) -> int32_t  how many to keep; the executor keeps at least
+//                                        the protected tokens and at most the row
+template <class S>
+concept ScoreDependentSelector =
+    RankingSelector<S> && requires(const S& s, const detail::selector_row_archetype& row, std::int32_t k) {
+      { s.row_keep_count(row, k) } -> std::same_as<std::int32_t>;
+    };
+
+template <class S>
+concept Selector = std::same_as<S, none> || BudgetSelector<S> || ScoreDependentSelector<S>;
 
 // Keep mask -> moved tokens. Given `const L l; int32_t i;`:
 //   L::moves_tokens        -> bool     whether kept tokens are moved

@@ -5,6 +5,8 @@
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/head_index.hpp"
+#include "kvpolicy/core/row_ref.hpp"
 #include "kvpolicy/pipeline/concepts.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -50,6 +52,37 @@ KVP_HOST_DEVICE constexpr bool moves_tokens() noexcept {
     return L::moves_tokens;
   }
 }
+
+// A key scorer's score of the key k at position t of T in the row of head h, by the
+// hook's form (with or without the head index).
+template <KeyScorer S>
+KVP_HOST_DEVICE constexpr float key_score_of(const S& s, const row_ref& k, std::int32_t t, std::int32_t T,
+                                             head_index h) noexcept {
+  if constexpr (requires { s.key_score(k, t, T, h); }) {
+    return s.key_score(k, t, T, h);
+  } else {
+    return s.key_score(k, t, T);
+  }
+}
+
+// A budget selector's keep count for the row of head h, by the hook's form.
+template <BudgetSelector Sel>
+KVP_HOST_DEVICE constexpr std::int32_t budget_keep_count(const Sel& s, std::int32_t T, std::int32_t budget,
+                                                         head_index h) noexcept {
+  if constexpr (requires { s.keep_count(T, budget, h); }) {
+    return s.keep_count(T, budget, h);
+  } else {
+    return s.keep_count(T, budget);
+  }
+}
+
+// Whether every row of a batch item keeps the same count, whatever its head and
+// scores: then one count is the item's new length, known from any of its rows.
+template <Selector Sel>
+inline constexpr bool uniform_counts =
+    std::same_as<Sel, none> ||
+    (BudgetSelector<Sel> && !ScoreDependentSelector<Sel> &&
+     !requires(const Sel& s, std::int32_t t, head_index h) { s.keep_count(t, t, h); });
 
 // Tokens a row always keeps: sinks, the protected window and the non-candidates.
 KVP_HOST_DEVICE constexpr std::int32_t protected_count(std::int32_t T, std::int32_t candidates, std::int32_t sinks,

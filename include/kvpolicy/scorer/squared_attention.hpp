@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/scorer/reductions.hpp"
@@ -25,7 +24,7 @@ struct squared_attention {
   }
   // Every key below this is visible to the query at pj (the concept's optional hint).
   KVP_HOST_DEVICE constexpr std::int32_t visible_end(std::int32_t pj) const noexcept {
-    return causal ? pj + 1 : std::numeric_limits<std::int32_t>::max();
+    return causal ? pj + 1 : INT32_MAX;  // a macro: numeric_limits is host-only under nvcc
   }
   KVP_HOST_DEVICE constexpr bool contributes(std::int32_t pj, std::int32_t t) const noexcept {
     return pj - t >= excluded_distance;

@@ -64,7 +64,7 @@ void attention_scores(const S& s, const query_window_view& q, std::int32_t layer
     for (std::int32_t g = 0; g < G; ++g) {
       const void* row = q.row(layer, slot, entry, kv_head * G + g);
       for (std::int32_t i = 0; i < d; ++i) qv[i] = load_as_float(row, q.type, i);
-      float* z = &logits[std::size_t(g) * n];
+      float* z = logits.data() + std::size_t(g) * n;
       for (std::int32_t t = 0; t < n; ++t) {
         if (!s.visible(pj, t)) {
           z[t] = ninf;
@@ -85,7 +85,7 @@ void attention_scores(const S& s, const query_window_view& q, std::int32_t layer
       softmax(group);
       for (std::int32_t t = 0; t < n; ++t) group[t] = s.contributes(pj, t) ? s.transform(group[t]) : 0.0f;
     } else {
-      for (std::int32_t g = 0; g < G; ++g) softmax(std::span<float>(&logits[std::size_t(g) * n], n));
+      for (std::int32_t g = 0; g < G; ++g) softmax(std::span<float>(logits.data() + std::size_t(g) * n, n));
       for (std::int32_t t = 0; t < n; ++t) {
         if (!s.contributes(pj, t)) {
           group[t] = 0.0f;
@@ -107,11 +107,12 @@ void attention_scores(const S& s, const query_window_view& q, std::int32_t layer
   }
 }
 
-// score[t] = s.key_score(k_t, t, T) for every token.
+// score[t] = s.key_score(k_t, t, T[, (layer, head)]) for every token.
 template <KeyScorer S>
 void key_scores(const S& s, const paged_kv_view& c, std::int32_t layer, std::int32_t seq, std::int32_t head,
                 std::int32_t T, std::span<float> out) {
-  for (std::int32_t t = 0; t < T; ++t) out[t] = s.key_score(row_ref{c.k_row(layer, seq, t, head), c.type, c.head_dim}, t, T);
+  for (std::int32_t t = 0; t < T; ++t)
+    out[t] = key_score_of(s, row_ref{c.k_row(layer, seq, t, head), c.type, c.head_dim}, t, T, {layer, head});
 }
 
 }  // namespace host

@@ -10,7 +10,10 @@
 #include <vector>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/head_index.hpp"
+#include "kvpolicy/exec/host/selector_row.hpp"
 #include "kvpolicy/pipeline/concepts.hpp"
+#include "kvpolicy/pipeline/traits.hpp"
 #include "kvpolicy/select/protect.hpp"
 #include "kvpolicy/select/rank_order.hpp"
 
@@ -24,20 +27,46 @@ inline void apply_protect(const protect& p, std::span<float> s, std::int32_t can
     if (p.covers(t, T) || t >= candidates) s[t] = std::numeric_limits<float>::infinity();
 }
 
-// keep[t] = 1 for the keep_count(T, budget) tokens of highest rank.
+// Scores that are NaN or infinite among the candidates (before protect): what an
+// engine logs, since they rank by the rule of docs/pipeline.md, not by their value.
+inline std::int32_t count_nonfinite(std::span<const float> candidates) {
+  return static_cast<std::int32_t>(
+      std::count_if(candidates.begin(), candidates.end(), [](float x) { return !std::isfinite(x); }));
+}
+
+// How many tokens a row keeps. `s`: the final scores (after protect), `raw`: the
+// scorer's before aggregation; `must`: the protected tokens.
 template <Selector Sel>
-std::vector<std::uint8_t> select_keep(const Sel& sel, std::span<const float> s, std::int32_t budget) {
+std::int32_t keep_count(const Sel& sel, std::span<const float> s, std::span<const float> raw,
+                        std::int32_t candidates, std::int32_t must, std::int32_t budget, head_index head) {
   const auto T = static_cast<std::int32_t>(s.size());
-  std::vector<std::uint8_t> keep(static_cast<std::size_t>(T), 0);
-  const std::int32_t k = sel.keep_count(T, budget);
-  std::vector<float> key(static_cast<std::size_t>(T));
-  for (std::int32_t t = 0; t < T; ++t) key[t] = sel.rank_key(s[t], t, T);
-  std::vector<std::int32_t> order(static_cast<std::size_t>(T));
-  std::iota(order.begin(), order.end(), 0);
-  std::nth_element(order.begin(), order.begin() + k, order.end(),
-                   [&](std::int32_t a, std::int32_t b) { return ranks_before(key[a], a, key[b], b); });
-  for (std::int32_t i = 0; i < k; ++i) keep[order[i]] = 1;
-  return keep;
+  if constexpr (std::same_as<Sel, none>) {
+    return T;
+  } else if constexpr (ScoreDependentSelector<Sel>) {
+    const std::int32_t n = sel.row_keep_count(selector_row(s, raw, candidates, must, head), budget);
+    return std::clamp(n, must, T);
+  } else {
+    return budget_keep_count(sel, T, budget, head);
+  }
+}
+
+// keep[t] = 1 for the `count` tokens of highest rank; every token without a selector.
+template <Selector Sel>
+std::vector<std::uint8_t> select_top(const Sel& sel, std::span<const float> s, std::int32_t count) {
+  const auto T = static_cast<std::int32_t>(s.size());
+  if constexpr (std::same_as<Sel, none>) {
+    return std::vector<std::uint8_t>(static_cast<std::size_t>(T), 1);
+  } else {
+    std::vector<std::uint8_t> keep(static_cast<std::size_t>(T), 0);
+    std::vector<float> key(static_cast<std::size_t>(T));
+    for (std::int32_t t = 0; t < T; ++t) key[t] = sel.rank_key(s[t], t, T);
+    std::vector<std::int32_t> order(static_cast<std::size_t>(T));
+    std::iota(order.begin(), order.end(), 0);
+    std::nth_element(order.begin(), order.begin() + count, order.end(),
+                     [&](std::int32_t a, std::int32_t b) { return ranks_before(key[a], a, key[b], b); });
+    for (std::int32_t i = 0; i < count; ++i) keep[order[i]] = 1;
+    return keep;
+  }
 }
 
 }  // namespace host
