@@ -759,6 +759,26 @@ int main(int argc, char** argv) {
     g_copy_gbps = measure_copy(10);
     benchmark::AddCustomContext("copy_GB_per_s_startup", std::to_string(g_copy_gbps));
     std::fprintf(stderr, "kvpolicy_bench: %s, device copy %.1f GB/s (read + write)\n", prop.name, g_copy_gbps);
+    // What the executor's plans read of the device, and what it launches for
+    // configuration A under each preset: the kernels behind the rows' times.
+    benchmark::AddCustomContext("kvp_device_limits", kvp::cuda::describe(kvp::cuda::device_limits::current()));
+    benchmark::AddCustomContext("kvp_tuning", kvp::cuda::describe_tuning());
+    {
+      cudaStream_t stream = nullptr;
+      KVP_BENCH_CHECK(cudaStreamCreate(&stream));
+      {
+        const bench_case a(config_a(), stream);
+        const kvp::cuda_executor ex{.stream = stream};
+        const auto plan_of = [&](const char* name, const auto& p) {
+          benchmark::AddCustomContext(std::string("kvp_plan_") + name + "_A",
+                                      kvp::cuda::describe(ex.plan(p, a.cache, a.queries, a.scores, a.batch)));
+        };
+        plan_of("zipage", kvp::presets::zipage{});
+        plan_of("gkv", kvp::presets::gkv{});
+        plan_of("snapkv", kvp::presets::snapkv{});
+      }
+      cudaStreamDestroy(stream);
+    }
   } catch (const std::exception& e) {
     // No usable GPU: rows still register (--benchmark_list_tests works) and each
     // reports the error instead of a time.

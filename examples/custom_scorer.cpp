@@ -8,17 +8,30 @@
 //    probability before the reductions (the derived transform hides the base's);
 //    `recency_top_k` derives from select::top_k and adds a recency bonus to its
 //    rank key. Both compose with Zipage's other stages.
+//
+// Each runs on the host executor; built by nvcc (custom_scorer.cu, which includes
+// this file) each also runs on the CUDA executor over a device copy of the same
+// cache, with no other code than the policy's, and must give the same keep mask.
 
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <numeric>
+#include <stdexcept>
+#include <type_traits>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
+#if defined(__CUDACC__)
+#include "kvpolicy/kvpolicy.cuh"  // first: kvpolicy before fmt under nvcc
+#include <cuda_runtime.h>
+#else
 #include "kvpolicy/kvpolicy.hpp"
+#endif
+
+#include <fmt/format.h>
 
 // --- 1. a new scorer ---------------------------------------------------------
 
@@ -133,6 +146,63 @@ struct toy_cache {
   }
 };
 
+#if defined(__CUDACC__)
+// The same compression on the CUDA executor, over a device copy of a fresh toy cache.
+// Returns the keep mask (empty without a GPU).
+template <class Pipeline>
+std::vector<std::uint8_t> run_on_gpu(const Pipeline& p) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return {};
+  toy_cache c;
+  const auto copy = [](const auto& host) {
+    using T = typename std::decay_t<decltype(host)>::value_type;
+    T* dev = nullptr;
+    cudaMalloc(&dev, host.size() * sizeof(T));
+    cudaMemcpy(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return dev;
+  };
+  float *k = copy(c.k), *v = copy(c.v), *f = copy(c.f), *q = copy(c.q);
+  std::int32_t *table = copy(c.table), *lengths = copy(c.lengths);
+  void** k_layers = copy(std::vector<void*>{k});
+  void** v_layers = copy(std::vector<void*>{v});
+  const kvp::batch_item item{.seq = 0, .query_slot = 0, .budget = budget};
+  kvp::batch_item* items = copy(std::vector<kvp::batch_item>{item});
+  const std::int32_t blocks = T / b + 2;
+  const kvp::cache_shape shape{.num_layers = 1, .num_blocks = blocks, .block_size = b, .num_kv_heads = 1,
+                               .head_dim = d, .type = kvp::dtype::f32};
+  const kvp::paged_kv_view cache = kvp::layouts::nhd(
+      k_layers, v_layers, shape, {.table = kvp::block_table_view::dense(table, T / b), .lengths = lengths, .num_seqs = 1});
+  const auto queries = kvp::query_window_view::contiguous(q, 1, 1, w, h_q, d, kvp::dtype::f32);
+  const auto scores = kvp::score_view::contiguous(f, blocks, b, 1);
+  std::int32_t* out = copy(std::vector<std::int32_t>(kvp::status_words + 3 + T / b, 0));
+  std::uint8_t* keep = copy(std::vector<std::uint8_t>(T, 0));
+  const kvp::device_batch batch{.items = items, .num_items = 1, .max_tokens = T};
+  const kvp::device_result result{.status = out,
+                                  .new_lengths = out + kvp::status_words,
+                                  .released_counts = out + kvp::status_words + 1,
+                                  .released_blocks = out + kvp::status_words + 2,
+                                  .keep_masks = keep};
+  const kvp::cuda_executor ex;
+  std::size_t bytes = 0;
+  (void)ex.compress(nullptr, bytes, p, cache, queries, scores, batch, result);
+  void* temp = nullptr;
+  cudaMalloc(&temp, bytes);
+  const cudaError_t launched = ex.compress(temp, bytes, p, cache, queries, scores, batch, result);
+  std::vector<std::uint8_t> mask(T);
+  std::int32_t status[kvp::status_words] = {};
+  cudaMemcpy(mask.data(), keep, T, cudaMemcpyDeviceToHost);
+  cudaMemcpy(status, out, sizeof status, cudaMemcpyDeviceToHost);
+  for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(f), static_cast<void*>(q),
+                    static_cast<void*>(table), static_cast<void*>(lengths), static_cast<void*>(k_layers),
+                    static_cast<void*>(v_layers), static_cast<void*>(items), static_cast<void*>(out),
+                    static_cast<void*>(keep), temp})
+    cudaFree(ptr);
+  if (launched != cudaSuccess) throw std::runtime_error(cudaGetErrorString(launched));
+  kvp::check(status);
+  return mask;
+}
+#endif
+
 template <class Pipeline>
 void run(const char* title, const Pipeline& p) {
   toy_cache c;  // fresh: compression rewrites the cache in place
@@ -149,8 +219,19 @@ void run(const char* title, const Pipeline& p) {
     low_kept += c.low[t] && keep[t];
     hot_kept += c.hot[t] && keep[t];
   }
-  fmt::print("{}\n  {}\n  {}\n  kept {} of {} tokens: {} of 8 low-norm (L), {} of 5 attended (A)\n\n", title, marks,
+  fmt::print("{}\n  {}\n  {}\n  kept {} of {} tokens: {} of 8 low-norm (L), {} of 5 attended (A)\n", title, marks,
              kept, r.new_lengths[0], T, low_kept, hot_kept);
+#if defined(__CUDACC__)
+  const std::vector<std::uint8_t> gpu = run_on_gpu(p);
+  if (gpu.empty()) {
+    fmt::print("  CUDA executor: no GPU here, host only\n");
+  } else {
+    const auto differ = std::inner_product(gpu.begin(), gpu.end(), keep.begin(), 0, std::plus<>(), std::not_equal_to<>());
+    fmt::print("  CUDA executor: {}\n", differ == 0 ? "the same keep mask" : fmt::format("{} tokens differ", differ));
+    if (differ != 0) throw std::runtime_error("the executors disagree");
+  }
+#endif
+  fmt::print("\n");
 }
 
 int main() {

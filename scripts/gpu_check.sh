@@ -17,7 +17,8 @@
 #   bench-full bench/run_gpu.sh on the bundle (every row, the reference at 3 sizes)
 #   profile    Nsight Compute (--set full) of the four stage kernels of stage/zipage/A:
 #              $OUT/profile.ncu-rep and its details page, $OUT/profile.txt
-#   demo       the demo on the GPU (--device cuda) beside the host
+#   demo       the demo on the GPU (--device cuda) beside the host, and
+#              examples/custom_scorer (its policies on both executors)
 # Environment: JOBS (default 4), SHARD (default 12), STEP_TIMEOUT seconds (default 540),
 # RACECHECK_PROPERTY_CASES (default 200).
 set -uo pipefail
@@ -128,6 +129,13 @@ step_demo() {
   run_logged demo.log "$BIN/kvpolicy_demo" --device cuda
   rc=$?
   note "demo: exit $rc; $(grep -ciE 'gpu|cuda' "$OUT/demo.log") lines on the GPU path"
+  # The custom-policy example runs each of its pipelines on both executors and exits
+  # non-zero if their keep masks differ.
+  if [[ -x $BIN/kvpolicy_custom_scorer ]]; then
+    run_logged custom_scorer.log "$BIN/kvpolicy_custom_scorer"
+    rc=$?
+    note "custom_scorer: exit $rc; $(grep -c 'CUDA executor: the same keep mask' "$OUT/custom_scorer.log") pipelines agree"
+  fi
 }
 
 {

@@ -1,6 +1,8 @@
 // The CUDA executor inside a CUDA graph, and malformed device data: caught on the
 // device, reported as the host's kvp::error, with nothing written.
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -129,6 +131,55 @@ TEST_CASE("malformed device data is reported with the field and nothing is writt
   expect_device_error([](gpu_case&, auto& items) { items[0].query_slot = 9; }, "batch[0].query_slot");
   expect_device_error([](gpu_case&, auto& items) { items[0].history_tokens = 999; }, "batch[0].history_tokens");
   expect_device_error([](gpu_case& c, auto&) { c.lengths[0] = 999; }, "cache.lengths[0]");
+  // Sequence 2 is outside the batch: its length is checked where its blocks are read,
+  // and a block it shares with a batch sequence stops the compression.
+  expect_device_error([](gpu_case& c, auto&) { c.lengths[2] = 999; }, "cache.lengths[2]");
+  expect_device_error([](gpu_case& c, auto&) { c.table[2 * c.max_blocks + 1] = c.num_blocks + 3; }, "cache.table[seq 2][1]");
+  expect_device_error([](gpu_case& c, auto&) { c.table[2 * c.max_blocks] = c.table[0]; }, "cache.table[seq 0][0]");
+  expect_device_error([](gpu_case& c, auto&) { c.table[2 * c.max_blocks + 2] = c.table[c.max_blocks + 3]; },
+                      "cache.table[seq 1][3]");
+}
+
+// The engine's marker of shared blocks (refcounts or a bitmask, in device memory): a
+// batch sequence holding a marked block is refused with nothing written; a marked
+// block no batch sequence holds changes nothing.
+TEST_CASE("blocks the engine marks as shared are never written on the device") {
+  const gpu_case c(zipage_case());
+  const std::vector<kvp::batch_item> items{{0, 0, 192, 0}, {1, 1, 192, 0}};
+  const auto run_marked = [&](std::int32_t marked_block, bool bitmask) {
+    device_side dev(c);
+    std::vector<std::int32_t> refcounts(static_cast<std::size_t>(c.num_blocks), 1);
+    std::vector<std::uint32_t> bits(static_cast<std::size_t>(c.num_blocks + 31) / 32, 0u);
+    refcounts[static_cast<std::size_t>(marked_block)] = 2;
+    bits[static_cast<std::size_t>(marked_block / 32)] |= 1u << (marked_block % 32);
+    const thrust::device_vector<std::int32_t> d_refcounts = to_device(refcounts);
+    const thrust::device_vector<std::uint32_t> d_bits = to_device(bits);
+    if (bitmask)
+      dev.cache.sharing.bitmask = thrust::raw_pointer_cast(d_bits.data());
+    else
+      dev.cache.sharing.refcounts = thrust::raw_pointer_cast(d_refcounts.data());
+    const auto kv_before = to_host(dev.kv);
+    device_outputs out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+    REQUIRE_EQ(cudaSuccess, out.run(kvp::cuda_executor{}, kvp::presets::zipage{}, dev));
+    REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const auto status = to_host(out.status);
+    return std::pair{status, to_host(dev.kv) == kv_before};
+  };
+  for (const bool bitmask : {false, true}) {
+    CAPTURE(bitmask);
+    const auto [status, unchanged] = run_marked(c.table[c.max_blocks + 1], bitmask);  // seq 1, block 1
+    REQUIRE(status[0] != 0);
+    CHECK(unchanged);
+    try {
+      kvp::check(status.data());
+      FAIL("check() did not throw");
+    } catch (const kvp::error& e) {
+      CHECK(e.field() == "cache.table[seq 1][1]");
+      CHECK(std::string(e.what()).find("cache.sharing") != std::string::npos);
+    }
+    // A block of sequence 2, which is not compressed: no error.
+    CHECK(run_marked(c.table[2 * c.max_blocks], bitmask).first[0] == 0);
+  }
 }
 
 TEST_CASE("malformed shapes throw before any launch") {

@@ -85,12 +85,16 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
       released_counts(std::max(n, 1), -1), released(std::max<std::size_t>(std::size_t(n) * max_blocks, 1), -1);
   thrust::device_vector<std::uint8_t> keep(std::max<std::size_t>(cells, 1), 2);
   thrust::device_vector<float> scores(std::max<std::size_t>(cells, 1), std::numeric_limits<float>::quiet_NaN());
+  const std::size_t rows = static_cast<std::size_t>(n) * layers * H;
+  thrust::device_vector<i32> kept(std::max<std::size_t>(rows, 1), -1), nonfinite(std::max(n, 1), -1);
   const kvp::device_result out{thrust::raw_pointer_cast(status.data()),
                                thrust::raw_pointer_cast(new_lengths.data()),
                                thrust::raw_pointer_cast(released_counts.data()),
                                thrust::raw_pointer_cast(released.data()),
                                thrust::raw_pointer_cast(keep.data()),
-                               thrust::raw_pointer_cast(scores.data())};
+                               thrust::raw_pointer_cast(scores.data()),
+                               thrust::raw_pointer_cast(kept.data()),
+                               thrust::raw_pointer_cast(nonfinite.data())};
 
   std::size_t bytes = 0;
   REQUIRE(cudaSuccess == ex.compress(nullptr, bytes, on_device, dev.cache(), dev.queries(), dev.scores(), batch, out));
@@ -111,14 +115,18 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
   const auto h_lengths = to_host(new_lengths), h_counts = to_host(released_counts), h_released = to_host(released);
   const auto h_keep = to_host(keep);
   const auto h_scores = to_host(scores);
+  const auto h_kept = to_host(kept), h_nonfinite = to_host(nonfinite);
   kvp::host_result r;
   r.new_lengths.assign(h_lengths.begin(), h_lengths.begin() + n);
+  r.nonfinite_scores.assign(h_nonfinite.begin(), h_nonfinite.begin() + n);
+  r.kept_counts.resize(items.size());
   r.released_blocks.resize(items.size());
   r.keep_masks.resize(items.size());
   r.scores.resize(items.size());
   for (i32 i = 0; i < n; ++i) {
     const std::size_t from = std::size_t(i) * max_blocks;
     r.released_blocks[i].assign(h_released.begin() + from, h_released.begin() + from + std::max(h_counts[i], 0));
+    r.kept_counts[i].assign(h_kept.begin() + std::size_t(i) * layers * H, h_kept.begin() + std::size_t(i + 1) * layers * H);
     // Device rows are [item][layer][head] with a pitch of max_tokens; the host's are T long.
     const i32 T = tc.length(items[i].seq);
     for (i32 row = 0; row < layers * H; ++row) {

@@ -143,8 +143,8 @@ struct lane_statistics {
 // On sm_90a (keys in core_matrices) a warpgroup takes 64 query rows (each warp its
 // 16, their fragments in registers as wgmma's A) and one half of the keys, 32 at a
 // time as B straight from shared memory; elsewhere a warp takes 16 query rows and
-// one half, keys by ldmatrix for mma.sync. (On mma.sync the MMAs cost configuration
-// A 0.2 ms of the statistics' 0.25 ms on the H100.)
+// one half, keys by ldmatrix for mma.sync (where the MMAs are most of the
+// statistics' time).
 // HeadDim: the head dim as a constant, or 0 for the run-time d, at most MaxHeadDim
 // (the caller passes a null `out` otherwise).
 template <dtype Elem, int HeadDim, AttentionScorer S, int MaxHeadDim = statistics_max_head_dim>
@@ -181,13 +181,11 @@ class block_statistics {
 #if KVP_CUDA_WGMMA
         float acc[4][4];  // the first MMA overwrites it
         const wgmma_descriptor db(keys + at(c0, 0), d_);
-        wgmma_fence();  // the fragments were written by ordinary loads
         if constexpr (HeadDim > 0) {
           issue<HeadDim / 16>(acc, db);
         } else {
           with_step_count<D / 16>(d_ / 16, [&]<int Steps>() { issue<Steps>(acc, db); });
         }
-        wgmma_commit();
         wgmma_gram_wait(acc);
 #else
         const std::int32_t lane = threadIdx.x % 32;
@@ -230,11 +228,16 @@ class block_statistics {
     qf_.load(s_, q_, layer_, slot_, head_, G_, T_, first_row(item), rows_, d_ / 16);
   }
 #if KVP_CUDA_WGMMA
-  // The MMAs of one 32-key chunk: Steps k-steps, A from the fragments.
+  // The MMAs of one 32-key chunk: Steps k-steps, A from the fragments, as one commit
+  // group. Fence and commit are here, not around the caller's switch over step
+  // counts, so that they stand next to the MMAs in every case (else ptxas adds a
+  // fence of its own to each: C7519).
   template <int Steps>
   __device__ void issue(float (&acc)[4][4], const wgmma_descriptor& db) const {
+    wgmma_fence();  // the fragments were written by ordinary loads
 #pragma unroll
     for (int kk = 0; kk < Steps; ++kk) wgmma_64x32x16_rs<Elem>(acc, qf_.a[kk], db.at(kk), kk > 0);
+    wgmma_commit();
   }
 #endif
 

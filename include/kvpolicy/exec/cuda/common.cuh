@@ -10,6 +10,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/batch.hpp"
 #include "kvpolicy/exec/device_status.hpp"
+#include "kvpolicy/select/rank_order.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -65,9 +66,8 @@ KVP_HOST_DEVICE constexpr std::int32_t splits_to_fill(std::int64_t rows, std::in
 
 // A flat grid over (row, tile of a row): a row's tiles are adjacent blocks, so the
 // blocks that stream one row's keys run at the same time and find them in L2. (A grid
-// of rows x tiles in y schedules every row's first tile before any second one: the
-// full redundancy kernel, 18 blocks per row on configuration A, read its keys from
-// DRAM 18 times, 2 of 3 L2 lookups missing.)
+// of rows x tiles in y schedules every row's first tile before any second one, so a
+// row's keys are read from DRAM once per tile.)
 KVP_HOST_DEVICE constexpr std::int32_t tiles_per_row(std::int32_t max_tokens, std::int32_t tile) {
   return (max_tokens + tile - 1) / tile;
 }
@@ -171,23 +171,18 @@ __device__ inline bool failed(const row_space& rs) {
 }
 
 __device__ inline void report(std::int32_t* status, status_code code, std::int32_t item, std::int32_t a = 0,
-                              std::int32_t b = 0, std::int32_t c = 0, std::int32_t d = 0) {
+                              std::int32_t b = 0, std::int32_t c = 0, std::int32_t d = 0, std::int32_t e = 0,
+                              std::int32_t f = 0) {
+  static_assert(status_words == 8);
   if (atomicCAS(status, 0, static_cast<std::int32_t>(code)) == 0) {
     status[1] = item;
     status[2] = a;
     status[3] = b;
     status[4] = c;
     status[5] = d;
+    status[6] = e;
+    status[7] = f;
   }
-}
-
-// Composite key of (rank key, position): larger means ranks first, and no two
-// tokens share one, so top-k by this key is exactly kvp::ranks_before's order.
-__device__ inline std::uint64_t rank_bits(float key, std::int32_t t) {
-  if (key != key) key = -__builtin_huge_valf();
-  std::uint32_t u = __float_as_uint(key);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving float -> unsigned
-  return (static_cast<std::uint64_t>(u) << 32) | static_cast<std::uint32_t>(t);
 }
 
 using block_reduce = cub::BlockReduce<float, row_threads>;

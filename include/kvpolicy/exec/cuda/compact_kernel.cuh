@@ -11,6 +11,7 @@
 #include "kvpolicy/core/score_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
+#include "kvpolicy/exec/cuda/tuning.cuh"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -22,13 +23,11 @@ inline constexpr int compact_stages = 2;
 // aligned column ranges, each moved by a block of its own. Slices never share a byte
 // (byte o of a row moves from token t to the same byte of its destination), so they
 // need no ordering between them; they let a launch of few rows (one sequence: 64
-// rows) fill the GPU (splits_to_fill: at 256 rows, which fill 256 of the H100's 264
-// slots, two slices measured 0.202 -> 0.214 ms), with slices of at least 64 bytes on
-// 16-byte bounds (so at most the largest power of two dividing the row's 16-byte
-// vectors).
-inline constexpr std::int64_t compact_min_slice_bytes = 64;
+// rows) fill the GPU (splits_to_fill, which never adds a wave), with slices of at
+// least compact_tuning::min_slice_bytes on 16-byte bounds (so at most the largest
+// power of two dividing the row's 16-byte vectors).
 KVP_HOST_DEVICE constexpr std::int32_t compact_slices(std::int64_t rows, std::int64_t row_bytes, std::int64_t slots) {
-  const std::int64_t vecs = row_bytes / 16, divides = vecs & -vecs, wide = row_bytes / compact_min_slice_bytes;
+  const std::int64_t vecs = row_bytes / 16, divides = vecs & -vecs, wide = row_bytes / compact_tuning::min_slice_bytes;
   return splits_to_fill(rows, slots, divides < wide ? divides : wide);
 }
 
@@ -49,7 +48,7 @@ KVP_HOST_DEVICE constexpr std::size_t compact_staging_bytes(std::int32_t chunk, 
 // * vecs + v, which is also its place in a stage. Consecutive threads take
 // consecutive slots, so a warp moves whole rows (one token's K and V for 256-byte
 // rows) with one 16-byte access per lane; a warp per token with a loop over its
-// slots spent some 55 instructions per token and side of the copy (Nsight Compute).
+// slots spent many times the instructions per token.
 template <class Fn>
 __device__ inline void for_each_slot(std::int32_t kept, std::int32_t vecs, Fn fn) {
   const std::int32_t per_token = 2 * vecs, slots = kept * per_token, shift = __ffs(per_token) - 1;

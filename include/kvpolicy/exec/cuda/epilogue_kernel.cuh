@@ -1,18 +1,22 @@
 // The score epilogue, fused: temporal aggregate through F, pooling, redundancy
-// softmax and combine, protect, and top-k selection by a block radix select.
+// softmax and combine, protect, the row's keep count by its selector's kind
+// (select_count.cuh) and the keep mask by a block radix select.
 // One block per (item, layer, KV head) row, the row's scores in shared memory.
 #pragma once
 
 #include <cstdint>
 
-#include <cub/block/block_scan.cuh>
-
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/exec/cuda/block_radix_select.cuh"
 #include "kvpolicy/exec/cuda/common.cuh"
+#include "kvpolicy/exec/cuda/select_count.cuh"
+#include "kvpolicy/exec/cuda/tuning.cuh"
 #include "kvpolicy/pipeline/concepts.hpp"
 #include "kvpolicy/pipeline/traits.hpp"
+#include "kvpolicy/select/rank_order.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -22,40 +26,29 @@ KVP_HOST_DEVICE constexpr std::size_t epilogue_smem_floats(std::int32_t max_toke
   return 2 * std::size_t(max_tokens);
 }
 
-// The radix select's digit search: one thread per 8-bit digit.
-static_assert(row_threads == 256, "the radix select gives each of the 256 digits a thread");
-using digit_scan = cub::BlockScan<std::int32_t, row_threads>;
-
 struct epilogue_shared {
   typename block_reduce::TempStorage reduce;
-  typename digit_scan::TempStorage scan;
   float broadcast;
-  std::uint32_t hist[256];
-  std::uint64_t prefix;
-  std::int32_t remaining;
-  bool settled;  // every key under the prefix is kept: lower digits change nothing
+  radix_select_storage select;
 };
 
-// Tokens per thread whose loads are issued together (for_each_token_batched).
-inline constexpr int epilogue_batch = 4;
-
 // for t in [threadIdx.x, end) step blockDim.x: store(t, load(t)), with the loads of
-// epilogue_batch tokens issued before any of their stores. The loads are
+// epilogue_tuning::load_batch tokens issued before any of their stores. The loads are
 // independent, but the compiler may not move a load above a store through a pointer
 // it cannot tell apart, so in a plain loop each token waits out its own round trip
-// to L2 (configuration A, with the redundancy read once and 8 blocks per SM: epilogue
-// 0.062 -> 0.057 ms). A thread handles the same tokens as in the plain loop.
+// to L2. A thread handles the same tokens as in the plain loop.
 template <class Load, class Store>
 __device__ void for_each_token_batched(std::int32_t end, Load load, Store store) {
   using V = decltype(load(0));
   const auto step = static_cast<std::int32_t>(blockDim.x);
-  for (std::int32_t t0 = threadIdx.x; t0 < end; t0 += epilogue_batch * step) {
-    V v[epilogue_batch];
+  constexpr int batch = epilogue_tuning::load_batch;
+  for (std::int32_t t0 = threadIdx.x; t0 < end; t0 += batch * step) {
+    V v[batch];
 #pragma unroll
-    for (int u = 0; u < epilogue_batch; ++u)
+    for (int u = 0; u < batch; ++u)
       if (t0 + u * step < end) v[u] = load(t0 + u * step);
 #pragma unroll
-    for (int u = 0; u < epilogue_batch; ++u)
+    for (int u = 0; u < batch; ++u)
       if (t0 + u * step < end) store(t0 + u * step, v[u]);
   }
 }
@@ -115,16 +108,27 @@ __device__ void apply_aggregate(const A& a, float* s, float* tmp, std::int32_t n
 struct epilogue_out {
   std::uint8_t* keep = nullptr;         // [rows][max_tokens]
   float* scores = nullptr;              // optional [rows][max_tokens]: final scores
+  std::int32_t* kept_counts = nullptr;  // optional [rows]
+  std::int32_t* nonfinite = nullptr;    // optional [items]: non-finite candidate scores, zeroed by validation
   std::int32_t* new_lengths = nullptr;  // [items]
   std::int32_t* released_counts = nullptr;
   std::int32_t* released_blocks = nullptr;  // [items][max_blocks]
   std::int32_t max_blocks = 0;
+  // Where rows of one item keep different counts (per head, or from their scores):
+  // [items] each, zeroed by validation. The largest count so far, and rows done.
+  std::int32_t* item_max = nullptr;
+  std::int32_t* item_rows_done = nullptr;
 };
 
-// Blocks per SM the registers are capped for (32, without spills): configuration A's
-// 1024 rows fit in one wave, and a block fits beside the score kernel's last blocks
-// when rows are handed on one by one (row hand-off in cuda_executor).
-inline constexpr int epilogue_blocks_per_sm = 8;
+// The item's new length and the blocks it releases, written by one thread.
+__device__ inline void write_item_result(const epilogue_out& out, const paged_kv_view& cache, std::int32_t item,
+                                         std::int32_t seq, std::int32_t T, std::int32_t new_length) {
+  const std::int32_t b = cache.block_size, used = (T + b - 1) / b, kept = (new_length + b - 1) / b;
+  out.new_lengths[item] = new_length;
+  out.released_counts[item] = used - kept;
+  for (std::int32_t k = kept; k < used; ++k)
+    out.released_blocks[std::int64_t{item} * out.max_blocks + (k - kept)] = cache.table.block(seq, k);
+}
 
 // `rows_global`: null when the row and its pooling copy fit in shared memory;
 // otherwise [2][rows][max_tokens] floats of global memory that stand in for them
@@ -132,13 +136,16 @@ inline constexpr int epilogue_blocks_per_sm = 8;
 // for the whole grid before (scores and redundancy), or the score stage's row
 // hand-off flags; `ready_out`: null, or the flags this kernel hands each row on with.
 template <class P>
-__global__ void __launch_bounds__(row_threads, epilogue_blocks_per_sm)
+__global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
     epilogue_kernel(P p, paged_kv_view cache, score_view f, row_space rs, const float* scores_in, const float* red_in,
                     float* rows_global, epilogue_out out, const std::int32_t* ready_in, std::int32_t* ready_out) {
   using Sel = typename P::select_type;
   using L = typename P::layout_type;
+  using count_kind = select_kind_t<Sel>;
+  constexpr bool scored = !std::same_as<typename P::scorer_type, none>;
   extern __shared__ float4 smem4[];
   __shared__ epilogue_shared sh;
+  __shared__ typename count_kind::storage count_storage;
   const last_block_waits_at_exit in_order;
   if (!ready_in) wait_for_prerequisites();  // scores and redundancy
   allow_dependents();
@@ -155,7 +162,7 @@ __global__ void __launch_bounds__(row_threads, epilogue_blocks_per_sm)
   const float inf = __builtin_huge_valf();
 
   for_each_token_batched(
-      n, [&](std::int32_t t) { return std::same_as<typename P::scorer_type, none> ? 0.0f : scores_in[base + t]; },
+      n, [&](std::int32_t t) { return scored ? scores_in[base + t] : 0.0f; },
       [&](std::int32_t t, float v) { s[t] = v; });
   __syncthreads();
   apply_aggregate(p.aggregate, s, tmp, n, it.history_tokens, sh, cache, f, rc, it.seq, T);
@@ -181,50 +188,26 @@ __global__ void __launch_bounds__(row_threads, epilogue_blocks_per_sm)
     const float inv = 1.0f / sum;
     for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) s[t] = p.redundancy.combine(s[t], tmp[t] * inv);
   }
+  if (out.nonfinite) {
+    // Counted before protect, whose +inf is no input's (the host counts the same).
+    __syncthreads();
+    float odd = 0.0f;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) odd += isfinite(s[t]) ? 0.0f : 1.0f;
+    odd = block_sum(odd, sh.reduce, sh.broadcast);
+    if (threadIdx.x == 0 && odd > 0.0f) atomicAdd(out.nonfinite + rc.item, static_cast<std::int32_t>(odd));
+  }
   for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
     if (p.protect.covers(t, T) || t >= n) s[t] = inf;
   __syncthreads();
 
-  // Radix select of the keep_count-th largest composite key, 8 bits at a time; the
-  // threshold keeps exactly the keep_count largest keys (they are all distinct).
-  std::int32_t keep_count = T;
+  // How many the row keeps, then which: the keep_count largest rank keys.
+  const std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window);
+  const count_inputs in{s, scored ? scores_in + base : nullptr, T, n, must, it.budget, head_index{rc.layer, rc.head}};
+  const std::int32_t keep_count = count_kind::keep_count(p.select, in, count_storage);
   std::uint64_t threshold = 0;
   if constexpr (!std::same_as<Sel, none>) {
-    keep_count = p.select.keep_count(T, it.budget);
-    if (threadIdx.x == 0) {
-      sh.prefix = 0;
-      sh.remaining = keep_count;
-      sh.settled = false;
-    }
-    std::uint64_t mask = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-      sh.hist[threadIdx.x] = 0;
-      __syncthreads();
-      const std::uint64_t prefix = sh.prefix;
-      const std::int32_t remaining = sh.remaining;
-      for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
-        const std::uint64_t key = rank_bits(p.select.rank_key(s[t], t, T), t);
-        if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xffu], 1u);
-      }
-      __syncthreads();
-      // Thread i holds digit 255 - i; counts from the top digit down, the selected
-      // digit is the first whose running count reaches `remaining` (the last digit
-      // when none does, 255 when nothing remains: as a serial walk would choose).
-      const std::int32_t i = static_cast<std::int32_t>(threadIdx.x), digit = 255 - i;
-      const auto count = static_cast<std::int32_t>(sh.hist[digit]);
-      std::int32_t through = 0;
-      digit_scan(sh.scan).InclusiveSum(count, through);
-      const std::int32_t above = through - count;
-      if ((through >= remaining || i == 255) && (i == 0 || above < remaining)) {
-        sh.remaining = remaining - above;
-        sh.prefix = prefix | (static_cast<std::uint64_t>(digit) << shift);
-        sh.settled = count == remaining - above;
-      }
-      mask |= 0xffull << shift;
-      __syncthreads();
-      if (sh.settled) break;  // keys >= the prefix with zero low bits are exactly the kept ones
-    }
-    threshold = sh.prefix;
+    threshold = block_kth_largest([&](std::int32_t t) { return rank_bits(p.select.rank_key(s[t], t, T), t); }, T,
+                                  keep_count, sh.select);
   }
   for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
     bool keep = true;
@@ -232,15 +215,25 @@ __global__ void __launch_bounds__(row_threads, epilogue_blocks_per_sm)
     out.keep[base + t] = keep;
     if (out.scores) out.scores[base + t] = s[t];
   }
+  if (threadIdx.x == 0 && out.kept_counts) out.kept_counts[row] = keep_count;
 
-  // One block per item reports its new length and the blocks it releases.
-  if (threadIdx.x == 0 && rc.layer == rs.layer_begin && rc.head == 0) {
-    const std::int32_t new_length = moves_tokens<L>() ? keep_count : T;
-    const std::int32_t b = cache.block_size, used = (T + b - 1) / b, kept = (new_length + b - 1) / b;
-    out.new_lengths[rc.item] = new_length;
-    out.released_counts[rc.item] = used - kept;
-    for (std::int32_t k = kept; k < used; ++k)
-      out.released_blocks[std::int64_t{rc.item} * out.max_blocks + (k - kept)] = cache.table.block(it.seq, k);
+  // The item's new length and released blocks: with one count for every row, the
+  // item's first row writes them; else the item's last row to finish, from the
+  // largest count of all its rows (layers share the item's block table).
+  if constexpr (uniform_counts<Sel>) {
+    if (threadIdx.x == 0 && rc.layer == rs.layer_begin && rc.head == 0)
+      write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? keep_count : T);
+  } else {
+    if (threadIdx.x == 0) {
+      atomicMax(out.item_max + rc.item, keep_count);
+      __threadfence();
+      const std::int32_t rows_per_item = rs.num_layers * rs.num_heads;
+      if (atomicAdd(out.item_rows_done + rc.item, 1) == rows_per_item - 1) {
+        __threadfence();
+        const std::int32_t longest = atomicAdd(out.item_max + rc.item, 0);
+        write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? longest : T);
+      }
+    }
   }
   if (ready_out) publish_row(ready_out, blockIdx.x);
 }

@@ -29,7 +29,7 @@ namespace cuda {
 
 // Keys u per block: each warp takes `row_groups` 16-row tiles, full_mma_group_rows
 // apart. Two groups halve the key tiles streamed from L2 (each serves 256 rows, not
-// 128: e2e/gkv/A 4.41 -> 3.80 ms on the H100), where two such blocks fit on an SM.
+// 128), where two such blocks fit on an SM.
 inline constexpr int full_mma_group_rows = 16 * (row_threads / 32);
 KVP_HOST_DEVICE constexpr std::int32_t full_mma_columns(int row_groups) { return full_mma_group_rows * row_groups; }
 inline constexpr int full_mma_keys = 64;                           // keys v per streamed tile
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(row_threads, RowGroups == 1 ? 3 : 2)
   // A warpgroup takes 64 keys u (a warp 16 of them) against each key tile, on wgmma
   // with both operands in shared memory (core matrices): per 64 x 64 tile it reads
   // 32 KB of shared memory, where four warps' ldmatrix read 80 KB, and the mma.sync
-  // kernel was bound by that traffic (L1 / shared 87% busy on gkv/A).
+  // kernel was bound by that traffic.
   const core_matrices at{d};
 #else
   const padded_rows at{d + 8};

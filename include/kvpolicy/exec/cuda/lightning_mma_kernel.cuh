@@ -17,6 +17,7 @@
 #include "kvpolicy/exec/cuda/mma.cuh"
 #include "kvpolicy/exec/cuda/redundancy_kernel.cuh"
 #include "kvpolicy/exec/cuda/score_mma_kernel.cuh"
+#include "kvpolicy/exec/cuda/tuning.cuh"
 #include "kvpolicy/exec/cuda/wgmma.cuh"
 #include "kvpolicy/pipeline/traits.hpp"
 
@@ -31,12 +32,6 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_mma_smem_bytes(std::int32_t bloc
   const std::size_t core = static_cast<std::size_t>(round64(block)) * std::size_t(d) * 2;
   return (padded > core ? padded : core) + 4 * static_cast<std::size_t>(round64(block)) * 4;
 }
-
-// Threads of lightning_mma_wide_kernel, and the largest head dim whose statistics it
-// and lightning_mma_pair_kernel compute (their register cap is 128: one block of 512
-// threads or two of 256 per SM).
-inline constexpr int lightning_wide_threads = 2 * row_threads;
-inline constexpr std::int32_t large_statistics_max_head_dim = 256;
 
 // One block of lightning on tensor cores: the (row, cache block) of blockIdx, with
 // blockDim.x / 128 warpgroups. HeadDim: the head dim as a constant (64 and 128, from
@@ -113,8 +108,8 @@ __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_v
     st.set_rows(u[0] < count ? inv[u[0]] : 0.0f, u[1] < count ? inv[u[1]] : 0.0f, theta);
 #if KVP_CUDA_WGMMA
     // One 64-column tile at a time. Two 32-column MMAs, one running while the other
-    // is folded, measured slower (0.474 -> 0.520 ms on A); a group left in flight
-    // across iterations makes ptxas serialise every MMA (C7514).
+    // is folded, were slower (bench/results/README.md); a group left in flight across
+    // iterations makes ptxas serialise every MMA (C7514).
     for (std::int32_t v0 = 0; v0 < rows; v0 += gram_tile_columns) {
       float acc[8][4];  // the first wgmma overwrites it (scale-d 0)
       wgmma_gram<Elem, gram_tile_columns>(acc, keys + at(t0, 0), keys + at(v0, 0), d);
@@ -144,45 +139,19 @@ __device__ __forceinline__ void lightning_mma_block(const P& p, const paged_kv_v
   if (rows_done) publish_row_part(rows_done, static_cast<std::uint32_t>(row));
 }
 
-// Three blocks per SM fit in shared memory (b = 256, d = 128), so the register cap is
-// that of three. Built for a run-time head dim, the statistics' query fragments (room
-// for statistics_max_head_dim) spill registers under that cap (ptxas -v: 36 bytes), so
-// the executor builds that kernel both ways and takes the one without where no
-// statistics are asked for.
-template <class P, dtype Elem, int HeadDim = 0, bool Statistics = true>
-__global__ void __launch_bounds__(row_threads, 3) lightning_mma_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                    float* red_out, query_window_view q,
-                                                                    float2* stats_out, std::int32_t* rows_done) {
-  lightning_mma_block<P, Elem, HeadDim, Statistics, statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out,
-                                                                             rows_done);
-}
-
-// For cache blocks whose keys leave room for two blocks per SM but not three (b = 256
-// at d 144 to 208 on the H100), where lightning_mma_kernel's cap of three blocks'
-// registers buys nothing: the cap of two, under which the statistics' query fragments
-// fit up to d 256, so that the score kernel reads the keys once there too. Head dims
-// read at run time.
-template <class P, dtype Elem>
-__global__ void __launch_bounds__(row_threads, 2) lightning_mma_pair_kernel(P p, paged_kv_view cache, row_space rs,
-                                                                          float* red_out, query_window_view q,
-                                                                          float2* stats_out, std::int32_t* rows_done) {
-  lightning_mma_block<P, Elem, 0, true, large_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
-}
-
-// For cache blocks whose keys leave room for one block per SM (b = 256 at d 224 and
-// 256 on the H100, where lightning_mma_kernel ran 8 warps per SM: 12.5% occupancy):
-// twice the threads, so 16 warps, and the register cap of one block, under which the
-// statistics' query fragments fit up to d 256. Head dims read at run time. At d 256
-// on the H100 (configuration A otherwise) the warps alone took the redundancy stage
-// 1.21 -> 1.17 ms; the statistics, 1.17 -> 1.47 ms, took the score stage 0.94 ->
-// 0.48 ms (end to end 3.70 -> 3.52 ms).
-template <class P, dtype Elem>
-__global__ void __launch_bounds__(lightning_wide_threads, 1) lightning_mma_wide_kernel(P p, paged_kv_view cache,
-                                                                                     row_space rs, float* red_out,
-                                                                                     query_window_view q,
-                                                                                     float2* stats_out,
-                                                                                     std::int32_t* rows_done) {
-  lightning_mma_block<P, Elem, 0, true, large_statistics_max_head_dim>(p, cache, rs, red_out, q, stats_out, rows_done);
+// The lightning kernel under the register budget of a tuning policy (tuning.cuh:
+// lightning_three, lightning_pair, lightning_wide): Tuning::threads per block, registers
+// capped for Tuning::blocks_per_sm blocks per SM, and room for the statistics' query
+// fragments up to Tuning::statistics_max_head_dim. Built for a run-time head dim
+// under the cap of three blocks, those fragments spill registers, so the executor
+// also builds that kernel without the statistics (Statistics false) and takes it
+// where none are asked for.
+template <class P, dtype Elem, int HeadDim, bool Statistics, class Tuning>
+__global__ void __launch_bounds__(Tuning::threads, Tuning::blocks_per_sm)
+    lightning_mma_kernel(P p, paged_kv_view cache, row_space rs, float* red_out, query_window_view q,
+                         float2* stats_out, std::int32_t* rows_done) {
+  lightning_mma_block<P, Elem, HeadDim, Statistics, Tuning::statistics_max_head_dim>(p, cache, rs, red_out, q,
+                                                                                     stats_out, rows_done);
 }
 
 }  // namespace cuda

@@ -94,7 +94,7 @@ KVP_HOST_DEVICE constexpr std::size_t lightning_smem_floats(std::int32_t block, 
 // The similarities C(u, t) that red(t) leaves out (u's newest neighbour is t), summed
 // per t in 64-bit fixed point (2^-40) by atomics: every row adds its own at once, and
 // the sum does not depend on their order (an ordered walk by one warp behind a
-// barrier cost lightning 13% on keys with near-copies). Any |C| of 2^-16 or more (C
+// barrier was slower on keys with near-copies). Any |C| of 2^-16 or more (C
 // of a newest neighbour is over theta) is exact in it, and a row's |C| <= 1 stay far
 // below the 2^63 bound. `words` in shared memory, or (Global) in global memory, read
 // back past L1 once a barrier follows the adds.

@@ -11,6 +11,7 @@
 #include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/load.cuh"
 #include "kvpolicy/pipeline/concepts.hpp"
+#include "kvpolicy/pipeline/traits.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged
   publish_scores(ready_out, blockIdx.x);
 }
 
-// score[t] = s.key_score(k_t, t, T), one thread per token.
+// score[t] = s.key_score(k_t, t, T[, (layer, head)]), one thread per token.
 template <KeyScorer S>
 __global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* scores, std::int32_t* ready_out) {
   const prerequisites_at_exit after_redundancy;  // as in attention_score_mma_kernel
@@ -159,8 +160,8 @@ __global__ void key_score_kernel(S s, paged_kv_view cache, row_space rs, float* 
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq];
   for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
-    scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] =
-        s.key_score(row_ref{cache.k_row(rc.layer, it.seq, t, rc.head), cache.type, cache.head_dim}, t, T);
+    scores[blockIdx.x * std::int64_t{rs.max_tokens} + t] = key_score_of(
+        s, row_ref{cache.k_row(rc.layer, it.seq, t, rc.head), cache.type, cache.head_dim}, t, T, {rc.layer, rc.head});
   publish_scores(ready_out, blockIdx.x);
 }
 

@@ -16,6 +16,7 @@
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
 #include "kvpolicy/exec/cuda/mma.cuh"
+#include "kvpolicy/exec/cuda/tuning.cuh"
 #include "kvpolicy/exec/cuda/wgmma.cuh"
 #include "kvpolicy/pipeline/concepts.hpp"
 
@@ -79,7 +80,7 @@ KVP_HOST_DEVICE constexpr bool reduces_in_fragments(group_reduce group, std::int
 // on distinct banks), the tile's logits [round16(w G)][72] unless the reduces run
 // in the fragments, per query the softmax statistics (max, sum) and the running
 // ones of its two 32-key halves, and the window partials. Without the logit tile,
-// configuration A's scorer (w 16, G 4, d 128) takes 55 KB: four blocks per SM.
+// a scorer of w 16, G 4, d 128 takes 55 KB: four blocks per SM.
 KVP_HOST_DEVICE constexpr std::size_t attention_mma_smem_bytes(std::int32_t w, std::int32_t G, std::int32_t d,
                                                                bool in_fragments) {
   const std::size_t rows = static_cast<std::size_t>(in_fragments ? round32(w * G) : round16(w * G));
@@ -153,35 +154,28 @@ __device__ inline float chunk_window_sum(const S& s, const float (&pr)[8], std::
   return win;
 }
 
-// Blocks per SM the registers are capped for: four (64 registers) measured faster
-// than three (80) on configuration A, 0.633 -> 0.599 ms, though a few values spill
-// to local memory; the shared memory of scorers whose reduces run in the fragments
-// fits four too.
-inline constexpr int score_blocks_per_sm = 4;
-
 // Blocks per row of attention_score_mma_kernel's single pass (block statistics
-// given): splits_to_fill, with at least four 64-key tiles per block (a block loads
-// its row's queries, a quarter of four tiles' bytes at w G 64). Configuration A's
-// 1024 rows take one; a launch of one sequence (64 rows) eight.
+// given): splits_to_fill, with at least score_tuning::min_tiles_per_split 64-key tiles
+// per block (a block loads its row's queries, a share of its tiles' bytes). A batch
+// that fills the GPU takes one; a launch of one sequence several.
 KVP_HOST_DEVICE constexpr std::int32_t score_key_splits(std::int64_t rows, std::int32_t max_tokens,
                                                         std::int64_t slots) {
-  return splits_to_fill(rows, slots, tiles_per_row(max_tokens, mma_key_tile) / 4);
+  return splits_to_fill(rows, slots, tiles_per_row(max_tokens, mma_key_tile) / score_tuning::min_tiles_per_split);
 }
 
 // Whether the score kernel's MMAs run on wgmma: the reduces in the fragments (so
 // every pass takes 64-row warpgroup tiles: queries by 64 in the statistics pass, keys
 // by 64 against 32-query chunks in the probability pass), whole 64-row tiles of
-// queries, and at least two of them. With one (w G = 64, configuration A: one 64 x 32
-// tile per warpgroup, key tile and pass, four blocks per SM) the kernel measured
-// slower on wgmma, score 0.49 -> 0.70 ms; with two (snapkv, w 32, G 4: three blocks
-// per SM, by shared memory) faster, snapkv A end to end 1.60 -> 1.55 ms.
+// queries, and at least two of them: with one (w G = 64: one 64 x 32 tile per
+// warpgroup, key tile and pass) mma.sync was faster, with two wgmma
+// (bench/results/README.md, "Tuning constants").
 KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t w, std::int32_t G) {
   return reduces_in_fragments(group, G) && round32(w * G) % 64 == 0 && round32(w * G) >= 128;
 }
 
 // HeadDim: the head dim as a constant (the executor builds 64 and 128 so), or 0 to
 // read it at run time. A constant unrolls the MMA loops whole, so ldmatrix loads run
-// ahead of the MMAs that wait on them (configuration A, d 128: 0.540 -> 0.521 ms).
+// ahead of the MMAs that wait on them.
 // Wgmma: the MMAs on wgmma, queries and keys in core matrices (sm_90a; the executor
 // sets it where score_wgmma_fits; elsewhere the kernel is the mma.sync one).
 // block_stats: the softmax statistics of each cache block of the row, written by the
@@ -194,7 +188,7 @@ KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t
 // block waits for its row's lightning blocks rather than for the whole grid; null
 // to wait for the grid.
 template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
-__global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
+__global__ void __launch_bounds__(row_threads, score_tuning::blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
                                std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits,
                                const std::int32_t* stats_ready) {
@@ -343,8 +337,7 @@ __global__ void __launch_bounds__(row_threads, score_blocks_per_sm)
       const std::uint16_t* kb = kbase + buf * tile_elems;
       // Probabilities with the keys as rows: warps take (16 keys x 32 queries) pieces.
       // (This MMA loop is the logits loop below with A and B swapped; one helper for
-      // both measured 1.5% slower on A, 0.544 -> 0.552 ms at commit c07098b, from its
-      // register allocation.)
+      // both was slower, from its register allocation: bench/results/README.md.)
       for (std::int32_t piece = warp; pass == 1 && in_fragments && piece < (rows / 32) * 4; piece += warps) {
         const std::int32_t key0 = (piece % 4) * 16, chunk = piece / 4, q0 = chunk * 32;
         float* chunk_part = part + (buf * (rows / 32) + chunk) * mma_key_tile;

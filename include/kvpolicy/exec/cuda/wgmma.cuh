@@ -146,6 +146,16 @@ __device__ inline void wgmma_gram_steps(float (&acc)[N / 8][4], const wgmma_desc
   for (int k = 0; k < Steps; ++k) wgmma_64xNx16<Elem, N>(acc, a.at(k), b.at(k), k > 0);
   wgmma_commit();
 }
+// The same for k-steps [k0, k0 + Steps) of a longer product, added to acc past the
+// first chunk (head dims over 256, in chunks of 16 k-steps).
+template <dtype Elem, int N, int Steps>
+__device__ inline void wgmma_gram_steps_from(float (&acc)[N / 8][4], const wgmma_descriptor& a,
+                                             const wgmma_descriptor& b, std::int32_t k0) {
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < Steps; ++k) wgmma_64xNx16<Elem, N>(acc, a.at(k0 + k), b.at(k0 + k), k0 + k > 0);
+  wgmma_commit();
+}
 
 // Warp-uniform by construction: a value broadcast from lane 0 lets ptxas keep what
 // is computed from it (the tile offsets, so the wgmma descriptors) in uniform
@@ -156,8 +166,8 @@ __device__ inline std::int32_t warp_uniform(std::int32_t v) { return __shfl_sync
 // that MMAs unroll per step count: in a loop with a run-time count ptxas waits for
 // each wgmma before issuing the next, and register fragments indexed at run time
 // would go to local memory. Max is the default case: its own case, or empty cases
-// past it, changed the register allocation (lightning's kernels for a run-time head
-// dim spilled 64 bytes instead of 36, and 8 instead of none).
+// past it, changed the register allocation (more spills in lightning's kernels for a
+// run-time head dim).
 template <int Max, class F>
 __device__ __forceinline__ void with_step_count(std::int32_t steps, F&& f) {
   static_assert(Max == 8 || Max == 16, "one case per step count");
@@ -192,13 +202,14 @@ __device__ inline void wgmma_gram_issue(float (&acc)[N / 8][4], const std::uint1
                                         std::int32_t d) {
   const wgmma_descriptor da(a, d), db(b, d);
   wgmma_fence_operands(acc);
-  // Unrolled for every head dim up to 256; head dims past it (rare) take a loop.
+  // Unrolled for every head dim up to 256; head dims past it (rare) in unrolled chunks
+  // of 16 k-steps (a loop with a run-time count makes ptxas serialise the MMAs).
   if (d <= 256) {
     with_step_count<16>(d / 16, [&]<int Steps>() { wgmma_gram_steps<Elem, N, Steps>(acc, da, db); });
   } else {
-    wgmma_fence();
-    for (std::int32_t k = 0; k < d / 16; ++k) wgmma_64xNx16<Elem, N>(acc, da.at(k), db.at(k), k > 0);
-    wgmma_commit();
+    for (std::int32_t k0 = 0; k0 < d / 16; k0 += 16)
+      with_step_count<16>(min(16, d / 16 - k0),
+                          [&]<int Steps>() { wgmma_gram_steps_from<Elem, N, Steps>(acc, da, db, k0); });
   }
 }
 // Waits for the warpgroup's MMAs issued by wgmma_gram_issue.
