@@ -2,7 +2,7 @@
 # shellcheck shell=bash
 
 KVP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-KVP_BUILD=${KVPOLICY_BUILD_DIR:-build}  # relative to the repository root
+KVP_BUILD=${KVPOLICY_BUILD_DIR:-build}  # relative to the repository root (test.sh --host-only: build-host)
 cd "$KVP_ROOT" || exit 1
 
 # The toolkit's default install location, when nvcc is not on PATH already.
