@@ -766,17 +766,17 @@ int main(int argc, char** argv) {
     {
       cudaStream_t stream = nullptr;
       KVP_BENCH_CHECK(cudaStreamCreate(&stream));
-      {
-        const bench_case a(config_a(), stream);
-        const kvp::cuda_executor ex{.stream = stream};
-        const auto plan_of = [&](const char* name, const auto& p) {
-          benchmark::AddCustomContext(std::string("kvp_plan_") + name + "_A",
-                                      kvp::cuda::describe(ex.plan(p, a.cache, a.queries, a.scores, a.batch)));
-        };
-        plan_of("zipage", kvp::presets::zipage{});
-        plan_of("gkv", kvp::presets::gkv{});
-        plan_of("snapkv", kvp::presets::snapkv{});
-      }
+      const kvp::cuda_executor ex{.stream = stream};
+      const auto plan_of = [&](const char* name, const auto& p) {
+        shape sa = config_a();
+        sa.window = std::max(sa.window, kvp::scorer_window(p.scorer));  // as bench_pipeline sizes it
+        const bench_case a(sa, stream);
+        benchmark::AddCustomContext(std::string("kvp_plan_") + name + "_A",
+                                    kvp::cuda::describe(ex.plan(p, a.cache, a.queries, a.scores, a.batch)));
+      };
+      plan_of("zipage", kvp::presets::zipage{});
+      plan_of("gkv", kvp::presets::gkv{});
+      plan_of("snapkv", kvp::presets::snapkv{});
       cudaStreamDestroy(stream);
     }
   } catch (const std::exception& e) {

@@ -58,7 +58,7 @@ std::string describe(const compress_plan<P>& pl) {
 // Where each buffer of the workspace lies, for the whole batch.
 template <class P>
 struct workspace_layout {
-  std::size_t scores = 0, red = 0, keep = 0, ready = 0, first_item = 0, owner = 0, item_max = 0, item_rows_done = 0,
+  std::size_t scores = 0, red = 0, keep = 0, ready = 0, item_of_seq = 0, owner = 0, item_max = 0, item_rows_done = 0,
               stats = 0;
   bool own_keep = false, per_item_counts = false;
   std::int64_t rows = 0;           // of the whole batch
@@ -110,7 +110,7 @@ class dispatch {
     pl.rows = rows;
     pl.statistics = statistics();
     pl.validate.kernel = "validate_kernel";
-    pl.validate.grid_x = static_cast<unsigned>(num_items);
+    pl.validate.grid_x = static_cast<unsigned>(num_items + owner_reset_blocks(c_.cache.num_blocks));
     pl.claim.kernel = "claim_blocks_kernel";
     pl.claim.grid_x = static_cast<unsigned>(c_.cache.num_seqs);
     pl.score = score_stage::plan(c_, rows, pl.statistics);
@@ -156,7 +156,7 @@ class dispatch {
     workspace_builder ws;
     w.scores = ws.take(cells * sizeof(float));
     w.ready = ws.take(layout_type::flag_sets * static_cast<std::size_t>(pl.rows) * sizeof(std::int32_t));
-    w.first_item = ws.take(static_cast<std::size_t>(c_.cache.num_seqs) * sizeof(std::int32_t));
+    w.item_of_seq = ws.take(static_cast<std::size_t>(c_.cache.num_seqs) * sizeof(std::int32_t));
     w.owner = ws.take(static_cast<std::size_t>(c_.cache.num_blocks) * sizeof(std::int32_t));
     w.per_item_counts = !uniform_counts<typename P::select_type>;
     if (w.per_item_counts) {
@@ -176,22 +176,20 @@ class dispatch {
     return w;
   }
 
-  // Validation: the status cleared, the per-call state reset, validate_kernel over the
-  // items and claim_blocks_kernel over the view's sequences.
+  // Validation: validate_kernel over the items (and the reset of the block owners),
+  // then claim_blocks_kernel over the view's sequences.
   void validate(const plan_type& pl, const layout_type& w, std::byte* ws, const row_space& rs,
                 std::int32_t* nonfinite, cudaStream_t stream) const {
     validation_state v;
     v.ready = reinterpret_cast<std::int32_t*>(ws + w.ready);
     v.flag_sets = layout_type::flag_sets;
-    v.first_item = reinterpret_cast<std::int32_t*>(ws + w.first_item);
+    v.item_of_seq = reinterpret_cast<std::int32_t*>(ws + w.item_of_seq);
     v.owner = reinterpret_cast<std::int32_t*>(ws + w.owner);
     if (w.per_item_counts) {
       v.item_max = reinterpret_cast<std::int32_t*>(ws + w.item_max);
       v.item_rows_done = reinterpret_cast<std::int32_t*>(ws + w.item_rows_done);
     }
     v.nonfinite = nonfinite;
-    cudaMemsetAsync(v.first_item, 0x7f, static_cast<std::size_t>(c_.cache.num_seqs) * sizeof(std::int32_t), stream);
-    cudaMemsetAsync(v.owner, 0xff, static_cast<std::size_t>(c_.cache.num_blocks) * sizeof(std::int32_t), stream);
     launch(pl.validate, stream, false, validate_kernel<P>, c_.p, c_.cache, c_.queries, rs, v);
     launch(pl.claim, stream, false, claim_blocks_kernel<>, c_.cache, rs, v);
   }

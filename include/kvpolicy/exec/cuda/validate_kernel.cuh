@@ -17,27 +17,54 @@ KVP_NAMESPACE_BEGIN
 namespace cuda {
 
 // Per-call state of the validation, in the workspace, and the per-item accumulators
-// the validation clears for the kernels after it.
+// the validation clears for the kernels after it. Nothing here needs a value from
+// before the call (the workspace may hold anything): validate_kernel resets `owner`,
+// and `item_of_seq` is believed only where the item it names names the sequence.
 struct validation_state {
   std::int32_t* ready = nullptr;        // [flag_sets][rows]: row hand-off flags
   std::int32_t flag_sets = 0;
-  std::int32_t* first_item = nullptr;   // [num_seqs]: the first batch item naming the seq; no_item if none
+  std::int32_t* item_of_seq = nullptr;  // [num_seqs]: a batch item naming the sequence, if any
   std::int32_t* owner = nullptr;        // [num_blocks]: the sequence that claimed the block, -1 before
   std::int32_t* item_max = nullptr;     // [items], or null
   std::int32_t* item_rows_done = nullptr;
   std::int32_t* nonfinite = nullptr;    // [items], or null (device_result::nonfinite_counts)
-  // What first_item and owner hold before the call: the bytes 0x7f and 0xff.
-  static constexpr std::int32_t no_item = 0x7f7f7f7f;
 };
 
-// One block per batch item. Mirrors validate_batch (exec/validate.hpp) for the item:
-// its sequence, length, block ids, budget, windows, history and slot. First it clears
-// the item's row hand-off flags and accumulators, which the workspace holds from any
-// earlier call or none, and records itself as its sequence's item (the lowest index
-// wins, so a later item naming the same sequence is the one reported).
+// Blocks of validate_kernel past the items that reset `owner`, each some 16 entries
+// per thread.
+KVP_HOST_DEVICE constexpr std::int32_t owner_reset_blocks(std::int32_t num_blocks) {
+  const std::int32_t per_block = 16 * row_threads;
+  return (num_blocks + per_block - 1) / per_block;
+}
+
+// The first batch item naming `seq`, or -1 (item_of_seq checked against the items).
+__device__ inline std::int32_t batch_item_of(const validation_state& v, const row_space& rs, std::int32_t seq) {
+  const std::int32_t i = v.item_of_seq[seq];
+  if (i < 0 || i >= rs.num_items || rs.items[i].seq != seq) return -1;
+  std::int32_t first = i;
+  for (std::int32_t j = 0; j < i; ++j)
+    if (rs.items[j].seq == seq) {
+      first = j;
+      break;
+    }
+  return first;
+}
+
+// One block per batch item, then owner_reset_blocks blocks that reset `owner`.
+// Mirrors validate_batch (exec/validate.hpp) for the item: its sequence, length, block
+// ids, budget, windows, history and slot. First it clears the item's row hand-off
+// flags and accumulators, which the workspace holds from any earlier call or none,
+// and records itself as an item of its sequence.
 template <class P>
 __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_view cache, query_window_view queries,
                                                                row_space rs, validation_state v) {
+  if (static_cast<std::int32_t>(blockIdx.x) >= rs.num_items) {
+    const auto first = (static_cast<std::int32_t>(blockIdx.x) - rs.num_items) * static_cast<std::int32_t>(blockDim.x);
+    const auto step = static_cast<std::int32_t>((gridDim.x - rs.num_items) * blockDim.x);
+    for (std::int32_t k = first + static_cast<std::int32_t>(threadIdx.x); k < cache.num_blocks; k += step)
+      v.owner[k] = -1;
+    return;
+  }
   const std::int32_t i = blockIdx.x;
   const std::int64_t per_item = std::int64_t{rs.num_layers} * rs.num_heads;
   for (std::int32_t k = 0; k < v.flag_sets; ++k)
@@ -53,7 +80,7 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
     if (it.seq < 0 || it.seq >= cache.num_seqs) {
       report(rs.status, status_code::seq_out_of_range, i, it.seq);
     } else {
-      atomicMin(v.first_item + it.seq, i);
+      v.item_of_seq[it.seq] = i;  // any of the items naming it: claim_blocks_kernel finds the first
       const std::int32_t T = cache.lengths[it.seq];
       const std::int64_t capacity = cache.table.capacity(it.seq) * cache.block_size;
       if (T < 0 || T > capacity) {
@@ -111,8 +138,8 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
                                                                    validation_state v) {
   if (failed(rs)) return;  // a batch item is malformed: its table may not be read
   const std::int32_t seq = blockIdx.x, b = cache.block_size;
-  const std::int32_t item = v.first_item[seq];
-  const bool in_batch = item != validation_state::no_item;
+  const std::int32_t item = batch_item_of(v, rs, seq);
+  const bool in_batch = item >= 0;
   const std::int32_t T = cache.lengths[seq];
   if (!in_batch) {
     const std::int64_t capacity = cache.table.capacity(seq) * b;
@@ -138,16 +165,18 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
     if (other == -1 || (other == seq && !in_batch)) continue;
     if (other == seq) {
       report(rs.status, status_code::block_repeated, item, seq, k, id, seq);
-    } else if (in_batch) {
-      const bool both = v.first_item[other] != validation_state::no_item;
-      report(rs.status, both ? status_code::block_repeated : status_code::block_held_outside_batch, item, seq, k, id,
-             other);
-    } else if (v.first_item[other] != validation_state::no_item) {
+      continue;
+    }
+    const std::int32_t other_item = batch_item_of(v, rs, other);
+    if (in_batch) {
+      report(rs.status, other_item >= 0 ? status_code::block_repeated : status_code::block_held_outside_batch, item,
+             seq, k, id, other);
+    } else if (other_item >= 0) {
       // The batch sequence claimed it first: name its entry of the block.
       const std::int32_t other_blocks = (cache.lengths[other] + b - 1) / b;
       std::int32_t at = 0;
       while (at < other_blocks && cache.table.block(other, at) != id) ++at;
-      report(rs.status, status_code::block_held_outside_batch, v.first_item[other], other, at, id, seq);
+      report(rs.status, status_code::block_held_outside_batch, other_item, other, at, id, seq);
     }
   }
 }
