@@ -926,6 +926,21 @@ int run(options o) {
   say("cache: {} seqs, {} layers, h_kv {}, h_q {}, d {}, b {}, N_max {}: budget {} tokens per (layer, KV head);"
       " {} physical blocks, handed out shuffled\n",
       o.seqs, o.layers, o.kv_heads, o.q_heads, o.head_dim, b, o.n_max, budget, c.shape.num_blocks);
+  // Zipage eq. 2 for this shape: what 1 GiB holds, with the preset's query window and
+  // F only where the preset keeps one (kvp::plan_memory, engine/memory_plan.hpp).
+  const auto [keeps_f, plan_window] = std::visit(
+      [](const auto& p) {
+        return std::pair<bool, i32>{kvp::uses_score_cache<decltype(p.aggregate)>(), kvp::scorer_window(p.scorer)};
+      },
+      preset);
+  const kvp::memory_plan mp = kvp::plan_memory(
+      {.available_bytes = std::int64_t{1} << 30, .num_layers = o.layers, .num_kv_heads = o.kv_heads,
+       .num_q_heads = o.q_heads, .head_dim = o.head_dim, .block_size = b, .kv_type = o.type, .max_blocks = o.n_max,
+       .query_window = plan_window, .query_type = o.type,
+       .score_type = keeps_f ? std::optional<kvp::dtype>(kvp::dtype::f32) : std::nullopt});
+  say("memory plan (Zipage eq. 2): 1 GiB holds M {} compressible requests (N_max blocks and a query slot each),"
+      " N_total {} blocks; a block {} B of K/V + {} B of F, a query slot (w {}) {} B\n",
+      mp.max_requests, mp.total_blocks, mp.kv_block_bytes, mp.score_block_bytes, plan_window, mp.query_slot_bytes);
 
   for (i32 s = 0; s < o.seqs; ++s) append_tokens(c, s, initial_blocks(o, s) * b, 1, protect_window);
 
