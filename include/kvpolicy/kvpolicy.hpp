@@ -11,6 +11,7 @@
 #include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/none.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/position_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/core/row_ref.hpp"
 #include "kvpolicy/core/score_view.hpp"

@@ -107,8 +107,9 @@ long check_same_results(const kvp::host_result& want, const kvp::host_result& go
 }
 
 // Every K and V byte of every physical row of `want` against `got` (whose rows may be
-// zero-padded: the padding must still be zero), and every F entry: to the bit where
-// `want`'s run left it as it was (`f_before`), else within the tolerance.
+// zero-padded: the padding must still be zero), every F entry (to the bit where
+// `want`'s run left it as it was, `f_before`, else within the tolerance) and every
+// position.
 inline void check_same_cache(const test_cache& want, const test_cache& got, const std::vector<float>& f_before,
                              float tolerance) {
   REQUIRE(got.num_layers() == want.num_layers());
@@ -144,6 +145,8 @@ inline void check_same_cache(const test_cache& want, const test_cache& got, cons
         }
   CHECK_MESSAGE(rows_differ == 0, rows_differ, " K/V rows differ, first at ", first_row);
   CHECK_MESSAGE(f_differ == 0, f_differ, " F entries differ, first at ", first_f);
+  // The positions move with their tokens: the same integers everywhere.
+  CHECK(got.raw_positions() == want.raw_positions());
 }
 
 }  // namespace kvp_test

@@ -37,10 +37,21 @@ namespace kvp_test {
 using i32 = std::int32_t;
 using i64 = std::int64_t;
 
-enum class cache_layout : std::uint8_t { nano_vllm, vllm_flash, vllm_flash_blocks_first, nhd, hnd };
-inline constexpr std::array<cache_layout, 5> all_layouts{cache_layout::nano_vllm, cache_layout::vllm_flash,
-                                                        cache_layout::vllm_flash_blocks_first, cache_layout::nhd,
-                                                        cache_layout::hnd};
+enum class cache_layout : std::uint8_t {
+  nano_vllm,
+  vllm_flash,
+  vllm_flash_blocks_first,
+  nhd,
+  hnd,
+  trtllm_blocks_first,
+  trtllm_layers_first,
+  sglang,  // nhd with blocks of one token; only with block_size 1, so not in all_layouts
+};
+inline constexpr std::array<cache_layout, 7> all_layouts{
+    cache_layout::nano_vllm,           cache_layout::vllm_flash, cache_layout::vllm_flash_blocks_first,
+    cache_layout::nhd,                 cache_layout::hnd,        cache_layout::trtllm_blocks_first,
+    cache_layout::trtllm_layers_first};
+inline constexpr int layout_count = static_cast<int>(all_layouts.size());
 inline constexpr std::array<kvp::dtype, 3> all_dtypes{kvp::dtype::f32, kvp::dtype::f16, kvp::dtype::bf16};
 
 inline const char* layout_name(cache_layout l) noexcept {
@@ -50,6 +61,9 @@ inline const char* layout_name(cache_layout l) noexcept {
     case cache_layout::vllm_flash_blocks_first: return "vllm_flash_blocks_first";
     case cache_layout::nhd: return "nhd";
     case cache_layout::hnd: return "hnd";
+    case cache_layout::trtllm_blocks_first: return "trtllm_blocks_first";
+    case cache_layout::trtllm_layers_first: return "trtllm_layers_first";
+    case cache_layout::sglang: return "sglang";
   }
   return "?";
 }
@@ -87,6 +101,7 @@ class test_cache {
     std::vector<float> f;
     std::vector<i32> table, indptr, lengths;
     std::vector<void*> k_layers, v_layers;
+    std::vector<i32> positions;
   };
 
   // Which (layer, physical block, slot) may be written: [L][NB][b].
@@ -102,6 +117,8 @@ class test_cache {
     const i32 b = cfg_.block_size;
     if (cfg_.layers <= 0 || b <= 0 || cfg_.kv_heads <= 0 || cfg_.head_dim <= 0 || cfg_.lengths.empty())
       throw std::invalid_argument("test_cache: bad shape");
+    if (cfg_.layout == cache_layout::sglang && b != 1)
+      throw std::invalid_argument("test_cache: SGLang's token pool has blocks of one token");
     if (cfg_.q_heads == 0) cfg_.q_heads = cfg_.kv_heads;
     if (cfg_.slots == 0) cfg_.slots = static_cast<i32>(cfg_.lengths.size());
     if (!cfg_.q_type) cfg_.q_type = cfg_.type;
@@ -154,11 +171,14 @@ class test_cache {
     const std::size_t layer = blk * static_cast<std::size_t>(cfg_.num_blocks);
     const std::size_t L = static_cast<std::size_t>(cfg_.layers);
     switch (cfg_.layout) {
-      case cache_layout::nano_vllm: buffers_.assign(1, std::vector<std::byte>(2 * L * layer * es)); break;
+      case cache_layout::nano_vllm:
+      case cache_layout::trtllm_blocks_first: buffers_.assign(1, std::vector<std::byte>(2 * L * layer * es)); break;
       case cache_layout::vllm_flash:
-      case cache_layout::vllm_flash_blocks_first: buffers_.assign(L, std::vector<std::byte>(2 * layer * es)); break;
+      case cache_layout::vllm_flash_blocks_first:
+      case cache_layout::trtllm_layers_first: buffers_.assign(L, std::vector<std::byte>(2 * layer * es)); break;
       case cache_layout::nhd:
-      case cache_layout::hnd: buffers_.assign(2 * L, std::vector<std::byte>(layer * es)); break;
+      case cache_layout::hnd:
+      case cache_layout::sglang: buffers_.assign(2 * L, std::vector<std::byte>(layer * es)); break;
     }
     std::vector<std::byte*> bases;
     for (auto& buf : buffers_) bases.push_back(buf.data());
@@ -168,6 +188,12 @@ class test_cache {
                         kvp::size_of(*cfg_.q_type),
                     std::byte{0});
     f_.assign(L * cfg_.num_blocks * b * cfg_.kv_heads, 0.0f);
+    // Each token's original position in every layer and head; -1 in free slots.
+    positions_.assign(f_.size(), -1);
+    for (i32 s = 0; s < S; ++s)
+      for (i32 t = 0; t < cfg_.lengths[s]; ++t)
+        for (i32 l = 0; l < cfg_.layers; ++l)
+          for (i32 h = 0; h < cfg_.kv_heads; ++h) position(l, s, t, h) = t;
     if (cfg_.randomize) randomize();
   }
 
@@ -230,7 +256,7 @@ class test_cache {
   }
   kvp::paged_kv_view view() {
     return view_over({buffers_[0].data(), k_layers_.data(), v_layers_.data(), table_.data(), indptr_.data(),
-                      lengths_.data()});
+                      lengths_.data(), positions_.data()});
   }
   kvp::query_window_view queries() const noexcept { return queries_over(queries_.data()); }
   kvp::score_view scores() noexcept { return scores_over(f_.data()); }
@@ -245,11 +271,13 @@ class test_cache {
     const i32* table = nullptr;
     const i32* indptr = nullptr;
     const i32* lengths = nullptr;
+    i32* positions = nullptr;  // raw_positions()
   };
   std::vector<void*> layer_table(kv_kind kind, std::span<std::byte* const> buffer_bases) const {
     std::vector<void*> out;
-    if (cfg_.layout == cache_layout::nano_vllm) return out;
-    const bool split = cfg_.layout == cache_layout::nhd || cfg_.layout == cache_layout::hnd;  // K and V apart
+    if (cfg_.layout == cache_layout::nano_vllm || cfg_.layout == cache_layout::trtllm_blocks_first) return out;
+    const bool split = cfg_.layout == cache_layout::nhd || cfg_.layout == cache_layout::hnd ||
+                       cfg_.layout == cache_layout::sglang;  // K and V apart
     for (std::size_t l = 0; l < static_cast<std::size_t>(cfg_.layers); ++l)
       out.push_back(split ? buffer_bases[2 * l + (kind == kv_kind::v ? 1 : 0)] : buffer_bases[l]);
     return out;
@@ -260,6 +288,11 @@ class test_cache {
     return {t, lengths, num_seqs()};
   }
   kvp::paged_kv_view view_over(const array_bases& a) const {
+    kvp::paged_kv_view v = layout_view(a);
+    if (a.positions) v.positions = kvp::position_view::contiguous(a.positions, cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads);
+    return v;
+  }
+  kvp::paged_kv_view layout_view(const array_bases& a) const {
     const auto s = shape();
     const auto q = sequences_over(a.table, a.indptr, a.lengths);
     switch (cfg_.layout) {
@@ -268,6 +301,9 @@ class test_cache {
       case cache_layout::vllm_flash_blocks_first: return kvp::layouts::vllm_flash_blocks_first(a.k_layers, s, q);
       case cache_layout::nhd: return kvp::layouts::nhd(a.k_layers, a.v_layers, s, q);
       case cache_layout::hnd: return kvp::layouts::hnd(a.k_layers, a.v_layers, s, q);
+      case cache_layout::trtllm_blocks_first: return kvp::layouts::trtllm_blocks_first(a.buffer0, s, q);
+      case cache_layout::trtllm_layers_first: return kvp::layouts::trtllm_layers_first(a.k_layers, s, q);
+      case cache_layout::sglang: return kvp::layouts::sglang(a.k_layers, a.v_layers, s, q);
     }
     return {};
   }
@@ -292,8 +328,11 @@ class test_cache {
       case cache_layout::nano_vllm: return {0, ((((kv * L + ul) * NB + p) * b + s) * H + uh) * d};
       case cache_layout::vllm_flash: return {ul, (((kv * NB + p) * b + s) * H + uh) * d};
       case cache_layout::vllm_flash_blocks_first: return {ul, (((p * 2 + kv) * b + s) * H + uh) * d};
-      case cache_layout::nhd: return {2 * ul + kv, ((p * b + s) * H + uh) * d};
+      case cache_layout::nhd:
+      case cache_layout::sglang: return {2 * ul + kv, ((p * b + s) * H + uh) * d};
       case cache_layout::hnd: return {2 * ul + kv, ((p * H + uh) * b + s) * d};
+      case cache_layout::trtllm_blocks_first: return {0, ((((p * L + ul) * 2 + kv) * H + uh) * b + s) * d};
+      case cache_layout::trtllm_layers_first: return {ul, (((p * 2 + kv) * H + uh) * b + s) * d};
     }
     return {0, 0};
   }
@@ -390,9 +429,20 @@ class test_cache {
   float f(const snapshot& snap, i32 l, i32 seq, i32 t, i32 h) const {
     return f_at(snap, l, block_of_token(seq, t), t % cfg_.block_size, h);
   }
+  // Positions of (layer, physical block, slot, KV head) ([L, NB, b, h_kv], as F), and of
+  // a token of a sequence.
+  std::size_t position_index(i32 l, i32 block, i32 slot, i32 h) const {
+    return ((static_cast<std::size_t>(l) * cfg_.num_blocks + block) * cfg_.block_size + slot) * cfg_.kv_heads + h;
+  }
+  i32& position(i32 l, i32 seq, i32 t, i32 h) {
+    return positions_[position_index(l, block_of_token(seq, t), t % cfg_.block_size, h)];
+  }
+  std::vector<i32>& raw_positions() noexcept { return positions_; }
+  const std::vector<i32>& raw_positions() const noexcept { return positions_; }
   std::vector<float>& raw_f() noexcept { return f_; }
   const std::vector<float>& raw_f() const noexcept { return f_; }
   const std::vector<std::byte>& raw_queries() const noexcept { return queries_; }
+  std::vector<std::byte>& raw_queries() noexcept { return queries_; }
 
   // ---- contents ----------------------------------------------------------------
   float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng_); }
@@ -434,13 +484,13 @@ class test_cache {
 
   // ---- snapshots ---------------------------------------------------------------
   snapshot take_snapshot() const {
-    return {buffers_, queries_, f_, table_, indptr_, lengths_, k_layers_, v_layers_};
+    return {buffers_, queries_, f_, table_, indptr_, lengths_, k_layers_, v_layers_, positions_};
   }
   // Every byte the fixture owns equals the snapshot (F compared bit for bit).
   bool unchanged_since(const snapshot& s) const {
     return s.buffers == buffers_ && s.queries == queries_ && s.table == table_ && s.indptr == indptr_ &&
            s.lengths == lengths_ && s.k_layers == k_layers_ && s.v_layers == v_layers_ && s.f.size() == f_.size() &&
-           std::memcmp(s.f.data(), f_.data(), f_.size() * sizeof(float)) == 0;
+           std::memcmp(s.f.data(), f_.data(), f_.size() * sizeof(float)) == 0 && s.positions == positions_;
   }
   bool kv_unchanged_since(const snapshot& s) const { return s.buffers == buffers_; }
   bool f_unchanged_since(const snapshot& s) const {
@@ -482,6 +532,10 @@ class test_cache {
                 if (std::memcmp(row_ptr(kind, l, p, slot, h), row_ptr(s, kind, l, p, slot, h), row_size()) != 0)
                   note(std::string(kind == kv_kind::k ? "K" : "V") + " layer " + std::to_string(l) + " block " +
                        std::to_string(p) + " slot " + std::to_string(slot) + " head " + std::to_string(h));
+              const std::size_t at = position_index(l, p, slot, h);
+              if (positions_[at] != s.positions[at])
+                note("position layer " + std::to_string(l) + " block " + std::to_string(p) + " slot " +
+                     std::to_string(slot) + " head " + std::to_string(h));
             }
             if (!f_ok(l, p, slot)) {
               const float a = const_cast<test_cache*>(this)->f_at(l, p, slot, h), b = f_at(s, l, p, slot, h);
@@ -522,6 +576,7 @@ class test_cache {
   std::vector<std::byte> queries_;
   std::vector<float> f_;
   std::vector<i32> table_, indptr_, lengths_;
+  std::vector<i32> positions_;
   i64 row_stride_ = 0;
   std::vector<std::vector<i32>> rows_;
   std::vector<std::pair<i32, i32>> owner_;

@@ -133,3 +133,27 @@ TEST_CASE("layout none: keep masks produced, nothing moves, nothing released") {
   CHECK(res.released_blocks[0].empty());
   CHECK(tc.unchanged_since(before));
 }
+
+TEST_CASE("compact: each token's original position moves with it, per head") {
+  // Two heads keep different tokens (their keys differ); the positions view, with the
+  // original position of each token, ends with the kept positions in order, per head.
+  for (auto layout : kvp_test::all_layouts) {
+    CAPTURE(kvp_test::layout_name(layout));
+    test_cache tc({.block_size = 3, .kv_heads = 2, .head_dim = 4, .lengths = {8}, .layout = layout});
+    set_scores(tc, 0, 0, 0, {5, 1, 7, 2, 8, 0, 6, 3});  // head 0 keeps 0 2 4 6
+    set_scores(tc, 0, 0, 1, {0, 9, 1, 9, 2, 9, 3, 9});  // head 1 keeps 1 3 5 7
+    const auto before = tc.take_snapshot();
+    scored_compact p;
+    p.protect = {.window = 0, .sinks = 0};
+    const auto res = kvp_test::run(p, tc, {{.seq = 0, .budget = 4}});
+    CHECK(res.new_lengths[0] == 4);
+    const std::vector<std::vector<int>> kept{{0, 2, 4, 6}, {1, 3, 5, 7}};
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 4; ++i) {
+        CAPTURE(h);
+        CAPTURE(i);
+        CHECK(tc.position(0, 0, i, h) == kept[h][i]);
+        CHECK(tc.token_bytes(kv_kind::k, 0, 0, i, h) == tc.token_bytes(before, kv_kind::k, 0, 0, kept[h][i], h));
+      }
+  }
+}

@@ -65,7 +65,7 @@ test_cache make_cache(random_case& r, std::uint32_t seed) {
                      .lengths = lengths,
                      .capacity_blocks = r.pick(0, 1) ? r.pick(0, 8) : 0,
                      .csr = r.pick(0, 1) == 1,
-                     .layout = kvp_test::all_layouts[r.pick(0, 4)],
+                     .layout = kvp_test::all_layouts[r.pick(0, kvp_test::layout_count - 1)],
                      .q_heads = H * G,
                      .window = 6,
                      .slots = S + 1,
@@ -156,6 +156,8 @@ void check_invariants(const P& p, test_cache& tc, const setup& s, f_check fc, Ra
           CAPTURE(t);
           CHECK(tc.token_bytes(kv_kind::k, l, it.seq, next, h) == tc.token_bytes(before, kv_kind::k, l, it.seq, t, h));
           CHECK(tc.token_bytes(kv_kind::v, l, it.seq, next, h) == tc.token_bytes(before, kv_kind::v, l, it.seq, t, h));
+          // The original position moved with the token (the fixture starts with position t at t).
+          CHECK(tc.position(l, it.seq, next, h) == t);
           const float f_now = tc.f(l, it.seq, next, h);
           if (fc == f_check::identity) {
             CHECK(f_now == (t < it.history_tokens ? tc.f(before, l, it.seq, t, h) : 0.0f));

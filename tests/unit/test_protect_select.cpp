@@ -149,7 +149,7 @@ TEST_CASE("sinks_recent equals no scorer + top-k with the sinks protected") {
   std::mt19937 rng(8);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   for (int iter = 0; iter < 200; ++iter) {
-    const auto layout = kvp_test::all_layouts[pick(0, 4)];
+    const auto layout = kvp_test::all_layouts[pick(0, kvp_test::layout_count - 1)];
     const auto type = kvp_test::all_dtypes[pick(0, 2)];
     const int T = pick(1, 20), b = pick(1, 5), H = pick(1, 2);
     const int sinks = pick(0, 3), window = pick(0, std::min(T, 4));

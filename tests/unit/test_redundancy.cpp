@@ -199,7 +199,7 @@ TEST_CASE("redundancy: full and lightning match the reference on random keys") {
   for (int iter = 0; iter < 400; ++iter) {
     const int T = pick(1, 16), d = pick(1, 4), b = pick(1, 5);
     test_cache tc({.block_size = b, .head_dim = d, .type = kvp_test::all_dtypes[pick(0, 2)], .lengths = {T},
-                   .layout = kvp_test::all_layouts[pick(0, 4)], .seed = static_cast<std::uint32_t>(iter)});
+                   .layout = kvp_test::all_layouts[pick(0, kvp_test::layout_count - 1)], .seed = static_cast<std::uint32_t>(iter)});
     // Plant near-duplicates: copy an earlier key with a little noise.
     for (int t = 1; t < T; ++t)
       if (pick(0, 2) == 0) {

@@ -199,7 +199,7 @@ TEST_CASE("window / squared attention match the reference on random inputs") {
     const auto type = kvp_test::all_dtypes[pick(0, 2)];
     const auto qtype = kvp_test::all_dtypes[pick(0, 2)];
     test_cache tc({.layers = 2, .block_size = pick(1, 5), .kv_heads = H, .head_dim = d, .type = type,
-                   .lengths = {pick(1, 9), T}, .csr = pick(0, 1) == 1, .layout = kvp_test::all_layouts[pick(0, 4)],
+                   .lengths = {pick(1, 9), T}, .csr = pick(0, 1) == 1, .layout = kvp_test::all_layouts[pick(0, kvp_test::layout_count - 1)],
                    .q_heads = H * G, .window = w + pick(0, 2), .slots = 3, .q_type = qtype,
                    .seed = static_cast<std::uint32_t>(iter)});
     CAPTURE(tc.describe());

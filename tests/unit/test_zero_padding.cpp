@@ -35,7 +35,7 @@ struct padding_case {
                        .type = kvp_test::all_dtypes[pick(0, 2)],
                        .lengths = {pick(12, 40), pick(12, 40)},
                        .csr = pick(0, 1) == 1,
-                       .layout = kvp_test::all_layouts[pick(0, 4)],
+                       .layout = kvp_test::all_layouts[pick(0, kvp_test::layout_count - 1)],
                        .q_heads = H * pick(1, 3),
                        .window = 4,
                        .q_type = kvp_test::all_dtypes[pick(0, 2)],

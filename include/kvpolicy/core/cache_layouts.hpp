@@ -104,6 +104,47 @@ constexpr paged_kv_view nano_vllm(void* kv_cache, const cache_shape& s, const se
   return v;
 }
 
+// SGLang's token pool (MHATokenToKVPool): per layer a K and a V tensor
+// `[pool_size, h_kv, d]`, a request's tokens found through `req_to_token`
+// `[max_requests, max_context_len]` (its slot indices). That is a paged cache of
+// blocks of one token: `s.block_size` must be 1 (the executors check it as any
+// shape), the pool's slots are its blocks (`s.num_blocks` = pool size) and
+// `req_to_token` is the dense block table (`block_table_view::dense(req_to_token,
+// max_context_len)`), the request's row its sequence.
+constexpr paged_kv_view sglang(void* const* k_layers, void* const* v_layers, const cache_shape& s,
+                               const sequence_table& q) noexcept {
+  return nhd(k_layers, v_layers, s, q);
+}
+
+// TensorRT-LLM's block pool, blocks first (its default): one tensor
+// `[num_blocks, L, 2, h_kv, b, d]`, every block of every layer, K then V, each in HND
+// order (kvCacheUtils.h: `[numHeads, tokensPerBlock, hiddenSizePerHead]`). The table
+// holds the pool's block indices (the KVCacheManager's block ids; its K/V offsets
+// table, `[B, 2, M]`, holds 2 L id + 2 layer + kv for them).
+constexpr paged_kv_view trtllm_blocks_first(void* pool, const cache_shape& s, const sequence_table& q) noexcept {
+  paged_kv_view v = detail::make(s, q);
+  const std::int64_t blk = detail::block_elems(s);
+  v.k = {pool, 2 * blk, nullptr, 0};
+  v.v = {pool, 2 * blk, nullptr, blk};
+  const kv_strides st{2 * std::int64_t{s.num_layers} * blk, s.head_dim, std::int64_t{s.block_size} * s.head_dim, 1};
+  v.k_stride = v.v_stride = st;
+  return v;
+}
+
+// TensorRT-LLM's block pool, layers first: per layer `[num_blocks, 2, h_kv, b, d]`
+// (`layer_pools[l]`, or one tensor `[L, num_blocks, 2, h_kv, b, d]` whose layer
+// bases the engine lists), K then V in each block, HND. The table as above.
+constexpr paged_kv_view trtllm_layers_first(void* const* layer_pools, const cache_shape& s,
+                                            const sequence_table& q) noexcept {
+  paged_kv_view v = detail::make(s, q);
+  const std::int64_t blk = detail::block_elems(s);
+  v.k = {nullptr, 0, layer_pools, 0};
+  v.v = {nullptr, 0, layer_pools, blk};
+  const kv_strides st{2 * blk, s.head_dim, std::int64_t{s.block_size} * s.head_dim, 1};
+  v.k_stride = v.v_stride = st;
+  return v;
+}
+
 }  // namespace layouts
 
 KVP_NAMESPACE_END

@@ -8,6 +8,7 @@
 #include "kvpolicy/core/block_sharing.hpp"
 #include "kvpolicy/core/block_table.hpp"
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/position_view.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -61,6 +62,7 @@ struct paged_kv_view {
   block_table_view table;
   const std::int32_t* lengths = nullptr;  // [num_seqs] tokens held by each sequence
   block_sharing sharing{};                // optional: blocks other requests read too
+  position_view positions{};              // optional: each token's original position, moved with it
 
   KVP_HOST_DEVICE std::int32_t physical_block(std::int32_t seq, std::int32_t t) const noexcept {
     return table.block(seq, t / block_size);

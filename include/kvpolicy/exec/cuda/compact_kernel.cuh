@@ -74,8 +74,8 @@ __device__ inline void for_each_slot(std::int32_t kept, std::int32_t vecs, Fn fn
 // of the chunk at once) while chunk c's are written, from the other stage of
 // shared memory; chunk c + 1 is written only after chunk c's reads completed.
 // Rows whose position does not change are neither read nor written. K and V move
-// by 16-byte slots (for_each_slot), F through the registers of the thread that
-// found the token. A block moves one column slice of its row (compact_slices; blocks
+// by 16-byte slots (for_each_slot), F and the positions through the registers of the
+// thread that found the token. A block moves one column slice of its row (compact_slices; blocks
 // of a row adjacent, F moved by the first). `ready_in`: null to wait for the whole
 // epilogue grid first, or its row hand-off flags.
 template <class P>
@@ -100,8 +100,16 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   // This block's slice: 16-byte vectors [v0, v0 + vecs) of each K and V row.
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16) / slices,
                      v0 = static_cast<std::int32_t>(blockIdx.x % slices) * vecs;
-  const bool with_f = !f.empty() && v0 == 0;
+  // F and the positions move with their tokens through the first slice's block.
+  const bool with_f = !f.empty() && v0 == 0, with_positions = !cache.positions.empty() && v0 == 0;
   const std::size_t stage_vecs = 2 * std::size_t(chunk) * vecs;
+  // A moving token's F and position, and where they go (null: nothing to move).
+  struct sidecar_move {
+    float f_val = 0.0f;
+    float* f_dst = nullptr;
+    std::int32_t position = 0;
+    std::int32_t* position_dst = nullptr;
+  };
 
   // The calling thread's keep flag in chunk c0 (0 past the row or the chunk).
   const auto flag_of = [&](std::int32_t c0) -> std::int32_t {
@@ -112,14 +120,13 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   // the thread's flag_of(c0), loaded a chunk ahead so that its latency passes under
   // the chunk before), records their rows for `stage` and starts reading the moving
   // ones into it (one cp.async group). Returns the chunk's kept count; the calling
-  // thread's token, if it moves and F moves with it, leaves its F value and
-  // destination in f_val and f_dst.
-  const auto gather = [&](std::int32_t c0, std::int32_t flag, int stage, std::int32_t written, float& f_val,
-                          float*& f_dst) {
+  // thread's token, if it moves, leaves its F and position (where they move with it)
+  // and their destinations in `side`.
+  const auto gather = [&](std::int32_t c0, std::int32_t flag, int stage, std::int32_t written, sidecar_move& side) {
     const std::int32_t t = c0 + static_cast<std::int32_t>(threadIdx.x);
     std::int32_t before = 0, total = 0;
     scan(scan_tmp).ExclusiveSum(flag, before, total);
-    f_dst = nullptr;
+    side = {};
     if (flag) {
       const std::int32_t to = p.layout.destination(written + before);
       const bool moves = to != t;
@@ -127,9 +134,16 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
       src[1][before] = moves ? reinterpret_cast<const uint4*>(cache.v_row(rc.layer, it.seq, t, rc.head)) + v0 : nullptr;
       dst[stage][0][before] = moves ? reinterpret_cast<uint4*>(cache.k_row(rc.layer, it.seq, to, rc.head)) + v0 : nullptr;
       dst[stage][1][before] = moves ? reinterpret_cast<uint4*>(cache.v_row(rc.layer, it.seq, to, rc.head)) + v0 : nullptr;
-      if (moves && with_f) {
-        f_val = f.at(rc.layer, cache.physical_block(it.seq, t), t % b, rc.head);
-        f_dst = &f.at(rc.layer, cache.physical_block(it.seq, to), to % b, rc.head);
+      if (moves && (with_f || with_positions)) {
+        const std::int32_t from_block = cache.physical_block(it.seq, t), to_block = cache.physical_block(it.seq, to);
+        if (with_f) {
+          side.f_val = f.at(rc.layer, from_block, t % b, rc.head);
+          side.f_dst = &f.at(rc.layer, to_block, to % b, rc.head);
+        }
+        if (with_positions) {
+          side.position = cache.positions.at(rc.layer, from_block, t % b, rc.head);
+          side.position_dst = &cache.positions.at(rc.layer, to_block, to % b, rc.head);
+        }
       }
     }
     __syncthreads();
@@ -142,18 +156,16 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   };
 
   if (T <= 0) return;
-  float f_val = 0.0f, f_next_val = 0.0f;
-  float *f_dst = nullptr, *f_next_dst = nullptr;
+  sidecar_move side, side_next;
   std::int32_t written = 0;  // kept tokens before chunk c0
   std::int32_t flag_next = flag_of(chunk);
-  std::int32_t kept_next = gather(0, flag_of(0), 0, 0, f_next_val, f_next_dst);
+  std::int32_t kept_next = gather(0, flag_of(0), 0, 0, side_next);
   int stage = 0;
   for (std::int32_t c0 = 0; c0 < T; c0 += chunk, stage ^= 1) {
     const std::int32_t kept = kept_next;
-    f_val = f_next_val;
-    f_dst = f_next_dst;
+    side = side_next;
     if (c0 + chunk < T) {
-      kept_next = gather(c0 + chunk, flag_next, stage ^ 1, written + kept, f_next_val, f_next_dst);
+      kept_next = gather(c0 + chunk, flag_next, stage ^ 1, written + kept, side_next);
       flag_next = flag_of(c0 + 2 * chunk);
       cp_async_wait<1>();  // this chunk's group; the next one's stays in flight
     } else {
@@ -164,7 +176,8 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
     for_each_slot(kept, vecs, [&](std::int32_t i, std::int32_t k, std::int32_t side, std::int32_t v) {
       if (uint4* to = dst[stage][side][k]) to[v] = staged[i];
     });
-    if (f_dst) *f_dst = f_val;
+    if (side.f_dst) *side.f_dst = side.f_val;
+    if (side.position_dst) *side.position_dst = side.position;
     written += kept;
     __syncthreads();  // the stage and its destinations are free for chunk c0 + 2 chunk
   }

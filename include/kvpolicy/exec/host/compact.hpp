@@ -14,7 +14,8 @@ KVP_NAMESPACE_BEGIN
 namespace host {
 
 // Moves the kept tokens of the row to l.destination(i), front to back, with their F
-// when `f` is not empty; writes only slots whose content changes. Returns the kept count.
+// when `f` is not empty and their positions when the cache has them; writes only
+// slots whose content changes. Returns the kept count.
 template <Layout L>
 std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f, std::int32_t layer,
                          std::int32_t seq, std::int32_t head, std::span<const std::uint8_t> keep) {
@@ -27,10 +28,11 @@ std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f
     if (dst == t) continue;
     std::memmove(c.k_row(layer, seq, dst, head), c.k_row(layer, seq, t, head), bytes);
     std::memmove(c.v_row(layer, seq, dst, head), c.v_row(layer, seq, t, head), bytes);
-    if (!f.empty()) {
-      f.at(layer, c.physical_block(seq, dst), dst % c.block_size, head) =
-          f.at(layer, c.physical_block(seq, t), t % c.block_size, head);
-    }
+    const std::int32_t to_block = c.physical_block(seq, dst), from_block = c.physical_block(seq, t);
+    if (!f.empty())
+      f.at(layer, to_block, dst % c.block_size, head) = f.at(layer, from_block, t % c.block_size, head);
+    if (!c.positions.empty())
+      c.positions.at(layer, to_block, dst % c.block_size, head) = c.positions.at(layer, from_block, t % c.block_size, head);
   }
   return kept;
 }
