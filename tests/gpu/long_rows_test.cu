@@ -115,7 +115,7 @@ std::vector<double> expected_redundancy(const std::vector<planted_key>& keys, in
 // R from the CUDA executor alone (kvp_test::redundancy_alone: the final score is -R).
 template <class R>
 std::vector<float> device_redundancy(R r, kvp_test::test_cache& tc, const kvp::cuda_executor& ex = {}) {
-  auto s = kvp_test::run_cuda(kvp_test::redundancy_alone(r), tc, {{.seq = 0, .budget = tc.length(0)}}, 0, 0, ex)
+  auto s = kvp_test::run_cuda(kvp_test::redundancy_alone(r), tc, {{.seq = 0, .budget = tc.length(0)}}, 0, 0, {}, ex)
                .scores[0];
   for (float& x : s) x = -x;
   return s;

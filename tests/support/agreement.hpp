@@ -67,6 +67,8 @@ long check_same_results(const kvp::host_result& want, const kvp::host_result& go
   CHECK(got.new_lengths == want.new_lengths);
   CHECK(got.kept_counts == want.kept_counts);
   CHECK(got.released_blocks == want.released_blocks);
+  CHECK(got.new_tables == want.new_tables);
+  CHECK(got.unshared_blocks == want.unshared_blocks);
   CHECK(got.nonfinite_scores == want.nonfinite_scores);
   REQUIRE(want.keep_masks.size() == items.size());
   REQUIRE(want.scores.size() == items.size());

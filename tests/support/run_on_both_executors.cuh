@@ -66,7 +66,7 @@ inline table_scorer for_device(const table_scorer& s, std::vector<thrust::device
 // into `tc`, and returns the results in the host executor's form.
 template <class P>
 kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin,
-                          i32 layer_count, const kvp::cuda_executor& ex = {}) {
+                          i32 layer_count, kvp::prefix_targets targets = {}, const kvp::cuda_executor& ex = {}) {
   const i32 n = static_cast<i32>(items.size()), H = tc.kv_heads();
   const i32 layers = layer_count == 0 ? tc.num_layers() - layer_begin : layer_count;
   i32 max_tokens = 1;
@@ -78,7 +78,19 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
   P on_device = p;
   on_device.scorer = for_device(p.scorer, tables, max_tokens);
   const thrust::device_vector<kvp::batch_item> d_items(items.begin(), items.end());
-  const kvp::device_batch batch{thrust::raw_pointer_cast(d_items.data()), n, max_tokens, layer_begin, layer_count};
+  // The shared prefixes' targets, copied as they are (at least one entry each).
+  std::vector<i32> h_indptr, h_targets;
+  if (!targets.empty()) {
+    h_indptr.assign(targets.indptr, targets.indptr + n + 1);
+    h_targets.assign(targets.blocks, targets.blocks + h_indptr.back());
+  }
+  h_targets.push_back(-1);
+  const thrust::device_vector<i32> d_indptr(h_indptr.begin(), h_indptr.end()), d_targets(h_targets.begin(), h_targets.end());
+  const kvp::prefix_targets d_prefix =
+      targets.empty() ? kvp::prefix_targets{} : kvp::prefix_targets{thrust::raw_pointer_cast(d_indptr.data()),
+                                                                     thrust::raw_pointer_cast(d_targets.data())};
+  const kvp::device_batch batch{thrust::raw_pointer_cast(d_items.data()), n, max_tokens, layer_begin, layer_count,
+                                d_prefix};
   const i32 max_blocks = kvp::max_blocks(batch, dev.cache());
   // Filled with what no executor writes (a mask of 2, NaN), so an entry left unwritten shows.
   thrust::device_vector<i32> status(kvp::status_words, 0), new_lengths(std::max(n, 1), -1),
@@ -86,7 +98,8 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
   thrust::device_vector<std::uint8_t> keep(std::max<std::size_t>(cells, 1), 2);
   thrust::device_vector<float> scores(std::max<std::size_t>(cells, 1), std::numeric_limits<float>::quiet_NaN());
   const std::size_t rows = static_cast<std::size_t>(n) * layers * H;
-  thrust::device_vector<i32> kept(std::max<std::size_t>(rows, 1), -1), nonfinite(std::max(n, 1), -1);
+  thrust::device_vector<i32> kept(std::max<std::size_t>(rows, 1), -1), nonfinite(std::max(n, 1), -1),
+      new_tables(std::max<std::size_t>(std::size_t(n) * max_blocks, 1), -1);
   const kvp::device_result out{thrust::raw_pointer_cast(status.data()),
                                thrust::raw_pointer_cast(new_lengths.data()),
                                thrust::raw_pointer_cast(released_counts.data()),
@@ -94,7 +107,8 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
                                thrust::raw_pointer_cast(keep.data()),
                                thrust::raw_pointer_cast(scores.data()),
                                thrust::raw_pointer_cast(kept.data()),
-                               thrust::raw_pointer_cast(nonfinite.data())};
+                               thrust::raw_pointer_cast(nonfinite.data()),
+                               thrust::raw_pointer_cast(new_tables.data())};
 
   std::size_t bytes = 0;
   REQUIRE(cudaSuccess == ex.compress(nullptr, bytes, on_device, dev.cache(), dev.queries(), dev.scores(), batch, out));
@@ -115,8 +129,10 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
   const auto h_lengths = to_host(new_lengths), h_counts = to_host(released_counts), h_released = to_host(released);
   const auto h_keep = to_host(keep);
   const auto h_scores = to_host(scores);
-  const auto h_kept = to_host(kept), h_nonfinite = to_host(nonfinite);
+  const auto h_kept = to_host(kept), h_nonfinite = to_host(nonfinite), h_tables = to_host(new_tables);
   kvp::host_result r;
+  r.new_tables.resize(items.size());
+  r.unshared_blocks.resize(items.size());
   r.new_lengths.assign(h_lengths.begin(), h_lengths.begin() + n);
   r.nonfinite_scores.assign(h_nonfinite.begin(), h_nonfinite.begin() + n);
   r.kept_counts.resize(items.size());
@@ -127,6 +143,11 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
     const std::size_t from = std::size_t(i) * max_blocks;
     r.released_blocks[i].assign(h_released.begin() + from, h_released.begin() + from + std::max(h_counts[i], 0));
     r.kept_counts[i].assign(h_kept.begin() + std::size_t(i) * layers * H, h_kept.begin() + std::size_t(i + 1) * layers * H);
+    const i32 b = tc.block_size();
+    r.new_tables[i].assign(h_tables.begin() + from, h_tables.begin() + from + (std::max(h_lengths[i], 0) + b - 1) / b);
+    // The shared blocks an item leaves are its table's first blocks: the engine's to
+    // know, the device reports none.
+    for (i32 j = 0; j < targets.count(i); ++j) r.unshared_blocks[i].push_back(tc.block(items[i].seq, j));
     // Device rows are [item][layer][head] with a pitch of max_tokens; the host's are T long.
     const i32 T = tc.length(items[i].seq);
     for (i32 row = 0; row < layers * H; ++row) {
@@ -140,22 +161,22 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
 
 template <class P>
 kvp::host_result run(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
-                     i32 layer_count = 0) {
+                     i32 layer_count = 0, kvp::prefix_targets targets = {}) {
   using S = typename P::scorer_type;
   const int k = device_padding(tc, kvp::AttentionScorer<S>);
   if constexpr (!ignores_zero_padding<S>) {
     if (k > 0) {
       ++tally().host_only["rows under 16 bytes, and a key scorer not known to ignore zero padding"];
-      return run_host(p, tc, items, layer_begin, layer_count);
+      return run_host(p, tc, items, layer_begin, layer_count, targets);
     }
   }
   test_cache on_device = zero_padded_copy(tc, k);  // the cache as the host executor finds it
   const std::vector<float> f_before = tc.raw_f();
-  kvp::host_result want = run_host(p, tc, items, layer_begin, layer_count);
+  kvp::host_result want = run_host(p, tc, items, layer_begin, layer_count, targets);
 
   INFO("CUDA executor against the host executor, on ", tc.describe(),
        k > 0 ? " (device rows zero-padded to head_dim " + std::to_string(on_device.head_dim()) + ")" : "");
-  const kvp::host_result got = run_cuda(p, on_device, items, layer_begin, layer_count);
+  const kvp::host_result got = run_cuda(p, on_device, items, layer_begin, layer_count, targets);
   const long near_ties = check_same_results(want, got, tc, items, device_tolerance, rank_key_of(p));
   // Masks that differ at a near-tie move different tokens: the bytes cannot be equal.
   if (near_ties == 0) check_same_cache(tc, on_device, f_before, device_tolerance);

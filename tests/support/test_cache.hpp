@@ -584,16 +584,22 @@ class test_cache {
 
 // A compression batch over `items` (kept alive by the caller).
 inline kvp::compression_batch make_batch(const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
-                                         i32 layer_count = 0) {
-  return {std::span<const kvp::batch_item>(items.data(), items.size()), layer_begin, layer_count};
+                                         i32 layer_count = 0, kvp::prefix_targets targets = {}) {
+  return {std::span<const kvp::batch_item>(items.data(), items.size()), layer_begin, layer_count, targets};
+}
+
+// The targets of shared prefixes over host vectors (kept alive by the caller): item
+// i's are blocks[indptr[i] .. indptr[i + 1]).
+inline kvp::prefix_targets prefix_targets_of(const std::vector<i32>& indptr, const std::vector<i32>& blocks) {
+  return {indptr.data(), blocks.data()};
 }
 
 // Runs a pipeline on the host executor, recording keep masks and final scores.
 template <class P>
 kvp::host_result run_host(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
-                          i32 layer_count = 0) {
+                          i32 layer_count = 0, kvp::prefix_targets targets = {}) {
   const kvp::host_executor ex{.record_keep_masks = true, .record_scores = true};
-  return ex.compress(p, tc.view(), tc.queries(), tc.scores(), make_batch(items, layer_begin, layer_count));
+  return ex.compress(p, tc.view(), tc.queries(), tc.scores(), make_batch(items, layer_begin, layer_count, targets));
 }
 
 #ifndef KVP_TEST_CUDA_EXECUTOR
@@ -603,8 +609,8 @@ kvp::host_result run_host(const P& p, test_cache& tc, const std::vector<kvp::bat
 // copy of the cache, checked to agree.
 template <class P>
 kvp::host_result run(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
-                     i32 layer_count = 0) {
-  return run_host(p, tc, items, layer_begin, layer_count);
+                     i32 layer_count = 0, kvp::prefix_targets targets = {}) {
+  return run_host(p, tc, items, layer_begin, layer_count, targets);
 }
 #endif
 

@@ -70,10 +70,19 @@ struct paged_kv_view {
 
   // First element of head h of token t (logical position) of sequence seq, in layer l.
   KVP_HOST_DEVICE std::byte* k_row(std::int32_t l, std::int32_t seq, std::int32_t t, std::int32_t h) const noexcept {
-    return k.layer(l, type) + k_stride.offset(physical_block(seq, t), t % block_size, h) * size_of(type);
+    return k_row_at(l, physical_block(seq, t), t % block_size, h);
   }
   KVP_HOST_DEVICE std::byte* v_row(std::int32_t l, std::int32_t seq, std::int32_t t, std::int32_t h) const noexcept {
-    return v.layer(l, type) + v_stride.offset(physical_block(seq, t), t % block_size, h) * size_of(type);
+    return v_row_at(l, physical_block(seq, t), t % block_size, h);
+  }
+  // The same by physical block and slot.
+  KVP_HOST_DEVICE std::byte* k_row_at(std::int32_t l, std::int32_t block, std::int32_t slot,
+                                      std::int32_t h) const noexcept {
+    return k.layer(l, type) + k_stride.offset(block, slot, h) * size_of(type);
+  }
+  KVP_HOST_DEVICE std::byte* v_row_at(std::int32_t l, std::int32_t block, std::int32_t slot,
+                                      std::int32_t h) const noexcept {
+    return v.layer(l, type) + v_stride.offset(block, slot, h) * size_of(type);
   }
   // Bytes of one (token, head) row: what a layout move copies.
   KVP_HOST_DEVICE constexpr std::int64_t row_bytes() const noexcept { return std::int64_t{head_dim} * size_of(type); }

@@ -42,6 +42,7 @@ struct device_batch {
   std::int32_t max_tokens = 0;  // at least every batch sequence's length (checked on the device)
   std::int32_t layer_begin = 0;
   std::int32_t layer_count = 0;  // 0: all layers from layer_begin on
+  prefix_targets targets{};      // optional: fresh blocks for shared prefixes (device memory)
 };
 
 // Where the executor writes its results, all device memory.
@@ -54,6 +55,9 @@ struct device_result {
   float* scores = nullptr;                  // optional, same shape: final scores after protect
   std::int32_t* kept_counts = nullptr;      // optional [num_items][layers][h_kv]: tokens each head keeps
   std::int32_t* nonfinite_counts = nullptr;  // optional [num_items]: NaN or infinite candidate scores
+  // Optional [num_items][max_blocks(batch, cache)]: each item's block table after the
+  // compression, its first ceil(new_length / b) entries (targets of a shared prefix first).
+  std::int32_t* new_tables = nullptr;
 };
 
 // Optional copies of the results to pinned host memory, made on the same stream.
@@ -127,7 +131,7 @@ struct cuda_executor {
                              cache.num_kv_heads,  batch.max_tokens, out.status};
     const auto plan = d.plan(rs.rows(), batch.num_items);
     d.check(plan);
-    const auto ws = d.layout(plan, batch.num_items, out.keep_masks != nullptr);
+    const auto ws = d.layout(plan, batch.num_items, out.keep_masks != nullptr, !batch.targets.empty());
     if (temp == nullptr) {
       temp_bytes = ws.total;
       return cudaSuccess;
@@ -137,7 +141,7 @@ struct cuda_executor {
             "needs status, new_lengths, released_counts and released_blocks (a null pointer was given)");
     require(batch.num_items == 0 || batch.items != nullptr, "batch.items", "is a null pointer");
 
-    d.run(plan, ws, static_cast<std::byte*>(temp), rs, out,
+    d.run(plan, ws, static_cast<std::byte*>(temp), rs, batch.targets, out,
           cuda::schedule{stream, overlap_stream, overlap_events, overlap_groups, stage_marks});
     if (mirror.status) {
       cudaMemcpyAsync(mirror.status, out.status, status_words * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream);
@@ -193,6 +197,10 @@ struct cuda_executor {
     const layer_range layers = resolve_layers(layers_only, cache);
     require(batch.num_items >= 0, "batch.num_items", "is {}; must not be negative", batch.num_items);
     require(batch.max_tokens > 0, "batch.max_tokens", "is {}; must be positive", batch.max_tokens);
+    require(batch.targets.empty() || moves_tokens<typename P::layout_type>(), "batch.targets",
+            "are given, but the layout moves no token: a shared prefix would keep its shared blocks");
+    require(batch.targets.empty() || batch.targets.blocks != nullptr, "batch.targets.blocks",
+            "is a null pointer while batch.targets.indptr is set");
     if (overlap_stream) {
       require(overlap_events != nullptr, "overlap_events", "is a null pointer while overlap_stream is set");
       require(overlap_groups >= 1, "overlap_groups", "is {}; must be at least 1 when overlap_stream is set",

@@ -27,6 +27,10 @@ enum class status_code : std::int32_t {
   budget_under_protected,   // a = budget, b = keep count, c = protected, d = length, e = layer, f = KV head
   block_held_outside_batch,  // a = seq, b = logical block, c = block id, d = the other seq (not in the batch)
   block_marked_shared,       // a = seq, b = logical block, c = block id
+  targets_over_blocks,       // a = targets given, b = seq, c = blocks the seq holds
+  target_out_of_range,       // a = index into targets.blocks, b = block id
+  target_held,               // a = block id, b = the sequence holding it, c = the item it is a target of
+  prefix_block_written,      // a = seq, b = logical block, c = block id (another item's shared prefix)
 };
 
 // Words: [code, item, a, b, c, d, e, f]. The first error found wins (atomicCAS on code).
@@ -74,6 +78,23 @@ inline void throw_if_error(const std::int32_t* w) {
     case status_code::block_marked_shared:
       throw error(entry(), detail::format("is block id {}, which cache.sharing marks as shared with another request; "
                                           "a shared block is never written",
+                                          c));
+    case status_code::targets_over_blocks:
+      throw error(detail::format("batch.targets (item {})", i),
+                  detail::format("give {} target blocks; seq {} holds {} blocks", a, b, c));
+    case status_code::target_out_of_range:
+      throw error(detail::format("batch.targets.blocks[{}]", a), detail::format("is block id {}; out of range", b));
+    case status_code::target_held:
+      throw error(detail::format("batch.targets (item {})", c),
+                  b < 0 ? detail::format("name block id {}, which a batch item reads as its shared prefix; a target "
+                                         "must be free",
+                                         a)
+                        : detail::format("name block id {}, which seq {} holds (or names as a target too); a target "
+                                         "must be free",
+                                         a, b));
+    case status_code::prefix_block_written:
+      throw error(entry(), detail::format("is block id {}, which another batch item reads as its shared prefix; a "
+                                          "block two sequences share is never written",
                                           c));
   }
   throw error("status", detail::format("unknown device status code {}", w[0]));

@@ -10,6 +10,7 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/destination_table.hpp"
 #include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
@@ -65,6 +66,8 @@ struct host_executor {
     out.new_lengths.resize(items);
     out.kept_counts.resize(items);
     out.released_blocks.resize(items);
+    out.new_tables.resize(items);
+    out.unshared_blocks.resize(items);
     out.nonfinite_scores.assign(items, 0);
     if (record_keep_masks) out.keep_masks.resize(items);
     if (record_scores) out.scores.resize(items);
@@ -82,6 +85,10 @@ struct host_executor {
       const std::int32_t n = candidate_end(p.scorer, T);
       const std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window);
       const std::size_t row_count = static_cast<std::size_t>(layers.end - layers.begin) * H;
+      // Where kept tokens go: the own table, or fresh targets for a shared prefix,
+      // whose blocks (and F) are only read.
+      const destination_table to = destination_table::of(cache.table, it.seq, batch.targets, static_cast<std::int32_t>(i));
+      const std::int32_t prefix_tokens = std::min(T, to.shared * b);
       if (record_keep_masks) out.keep_masks[i].assign(row_count * T, 1);
       if (record_scores) out.scores[i].assign(row_count * T, 0.0f);
       out.kept_counts[i].assign(row_count, T);
@@ -92,6 +99,7 @@ struct host_executor {
           const std::size_t row = static_cast<std::size_t>(l - layers.begin) * H + h;
           const head_index head{l, h};
           std::vector<float> s(static_cast<std::size_t>(T), 0.0f), keys, raw;
+          std::vector<float> prefix_f(static_cast<std::size_t>(prefix_tokens), 0.0f);  // F of the shared prefix
           const std::span<float> cand(s.data(), static_cast<std::size_t>(n));
 
           timed(stage::score, [&] {
@@ -112,8 +120,10 @@ struct host_executor {
               std::vector<float> f(static_cast<std::size_t>(n));
               for (std::int32_t t = 0; t < std::min(n, it.history_tokens); ++t) f[t] = f_at(t);
               host::apply_aggregate(p.aggregate, cand, f, it.history_tokens);
-              for (std::int32_t t = 0; t < n; ++t) f_at(t) = f[t];
-              for (std::int32_t t = n; t < T; ++t) f_at(t) = 0.0f;  // no score: no history
+              for (std::int32_t t = 0; t < T; ++t) {
+                const float value = t < n ? f[t] : 0.0f;  // past the candidates: no score, no history
+                (t < prefix_tokens ? prefix_f[t] : f_at(t)) = value;
+              }
             } else {
               host::apply_aggregate(p.aggregate, cand, {}, it.history_tokens);
             }
@@ -140,16 +150,17 @@ struct host_executor {
 
           timed(stage::layout, [&] {
             if constexpr (moves_tokens<L>()) {
-              new_length = std::max(new_length,
-                                    host::compact_row(p.layout, cache, with_f ? scores : score_view{}, l, it.seq, h, keep));
+              new_length = std::max(new_length, host::compact_row(p.layout, cache, with_f ? scores : score_view{},
+                                                                  prefix_f, to, l, it.seq, h, keep));
             }
           });
         }
       }
       out.new_lengths[i] = new_length;
       const std::int32_t used = (T + b - 1) / b, kept_blocks = (new_length + b - 1) / b;
-      for (std::int32_t blk = kept_blocks; blk < used; ++blk)
-        out.released_blocks[i].push_back(cache.table.block(it.seq, blk));
+      for (std::int32_t blk = 0; blk < kept_blocks; ++blk) out.new_tables[i].push_back(to.block(blk));
+      for (std::int32_t blk = kept_blocks; blk < used; ++blk) out.released_blocks[i].push_back(to.block(blk));
+      for (std::int32_t blk = 0; blk < to.shared; ++blk) out.unshared_blocks[i].push_back(cache.table.block(it.seq, blk));
     }
     return out;
   }

@@ -17,8 +17,9 @@ KVP_NAMESPACE_BEGIN
 // a block is free only once every layer's kept tokens lie below it. Given the groups'
 // results in layer order, this returns the batch's: new lengths the largest of the
 // groups', released blocks those past it (the shortest of the groups' lists, since
-// each lists the table's tail past its own length), kept counts, masks and scores
-// joined in layer order, non-finite counts and times added.
+// each lists the table's tail past its own length) and that group's new table, kept
+// counts, masks and scores joined in layer order, non-finite counts and times added
+// (the unshared blocks are the same in every group: the first group's are kept).
 inline host_result merge_layer_groups(std::span<const host_result> groups) {
   require(!groups.empty(), "groups", "is empty; merge the results of at least one call");
   host_result out = groups.front();
@@ -31,6 +32,7 @@ inline host_result merge_layer_groups(std::span<const host_result> groups) {
       if (r.new_lengths[i] > out.new_lengths[i]) {
         out.new_lengths[i] = r.new_lengths[i];
         out.released_blocks[i] = r.released_blocks[i];
+        if (i < out.new_tables.size() && i < r.new_tables.size()) out.new_tables[i] = r.new_tables[i];
       }
       const auto join = [&](auto& into, const auto& from) {
         if (i < into.size() && i < from.size()) into[i].insert(into[i].end(), from[i].begin(), from[i].end());

@@ -34,10 +34,17 @@ struct host_result {
   // the batch only); with a layout that moves tokens, the valid prefix of each head.
   // Uniform selectors keep the same count everywhere.
   std::vector<std::vector<std::int32_t>> kept_counts;
-  // Per batch item: physical blocks past the new length, now free for the engine.
-  // Layers share a block table: when an item's layers are compressed in several
-  // calls, release only what merge_layer_groups (exec/layer_groups.hpp) returns.
+  // Per batch item: physical blocks past the new length, now free for the engine
+  // (with a shared prefix, its unused targets too). Layers share a block table: when
+  // an item's layers are compressed in several calls, release only what
+  // merge_layer_groups (exec/layer_groups.hpp) returns.
   std::vector<std::vector<std::int32_t>> released_blocks;
+  // Per batch item: its block table after the compression, the blocks of its new
+  // length (the targets of a shared prefix first, then its own blocks).
+  std::vector<std::vector<std::int32_t>> new_tables;
+  // Per batch item with a shared prefix (compression_batch::targets): the shared
+  // blocks it no longer holds, whose reference counts the engine lowers.
+  std::vector<std::vector<std::int32_t>> unshared_blocks;
   // Per batch item: candidate scores that were NaN or infinite before protect (they
   // rank by the rule of docs/pipeline.md, "Non-finite scores"), for the engine's log.
   std::vector<std::int32_t> nonfinite_scores;

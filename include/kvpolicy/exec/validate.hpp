@@ -146,8 +146,10 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
 }
 
 // Checks the batch against the engine's lengths and block table, and that no block a
-// batch sequence holds is shared: held by another sequence of the view (in the
-// batch or not), or marked by cache.sharing. Reads those arrays, so it runs where
+// batch sequence writes is shared: held by another sequence of the view (in the
+// batch or not), or marked by cache.sharing. The blocks of an item's shared prefix
+// (compression_batch::targets) are only read, and may be held by others; its targets
+// must be free. Reads those arrays, so it runs where
 // they live (the host executor calls it directly; the CUDA executor's validation
 // kernels check the same on the device).
 template <class P>
@@ -155,6 +157,7 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
                     const compression_batch& batch) {
   struct holder {
     std::int32_t seq, index;  // the sequence holding the block, and the block's index in its table
+    bool read_only;           // in the item's shared prefix
   };
   std::unordered_map<std::int32_t, holder> batch_blocks;  // block id -> the batch sequence holding it
   std::vector<bool> seen_seq(static_cast<std::size_t>(cache.num_seqs), false);
@@ -171,6 +174,26 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
             "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
     return id;
   };
+  const prefix_targets& targets = batch.targets;
+  std::unordered_map<std::int32_t, std::int32_t> target_of;  // target block id -> its index in targets.blocks
+  if (!targets.empty()) {
+    require(moves_tokens<typename P::layout_type>(), "batch.targets",
+            "are given, but the layout moves no token: a shared prefix would keep its shared blocks");
+    require(targets.indptr[0] == 0, "batch.targets.indptr[0]", "is {}; must be 0", targets.indptr[0]);
+    for (std::size_t i = 0; i < batch.items.size(); ++i) {
+      require(targets.indptr[i + 1] >= targets.indptr[i], detail::path("batch.targets.indptr[{}]", i + 1),
+              "is {}; below indptr[{}] = {}", targets.indptr[i + 1], i, targets.indptr[i]);
+      for (std::int32_t k = targets.indptr[i]; k < targets.indptr[i + 1]; ++k) {
+        const std::int32_t id = targets.blocks[k];
+        require(id >= 0 && id < cache.num_blocks, detail::path("batch.targets.blocks[{}]", k),
+                "is block id {}; valid ids are [0, {})", id, cache.num_blocks);
+        const auto [pos, fresh] = target_of.emplace(id, k);
+        require(fresh, detail::path("batch.targets.blocks[{}]", k), "is block id {}, as is blocks[{}]", id, pos->second);
+        require(!cache.sharing.marked() || !cache.sharing.shared(id), detail::path("batch.targets.blocks[{}]", k),
+                "is block id {}, which cache.sharing marks as shared; a target must be free", id);
+      }
+    }
+  }
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
     const batch_item& it = batch.items[i];
     const auto field = [&](const char* name) { return detail::path("batch[{}].{}", i, name); };
@@ -181,16 +204,25 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
 
     const std::int32_t T = cache.lengths[it.seq];
     const std::int32_t blocks = check_length(it.seq);
+    const std::int32_t shared = targets.count(static_cast<std::int32_t>(i));
+    require(shared <= blocks, detail::path("batch.targets (item {})", i),
+            "give {} target blocks; seq {} holds {} blocks", shared, it.seq, blocks);
     for (std::int32_t b = 0; b < blocks; ++b) {
       const std::int32_t id = check_id(it.seq, b);
-      const auto [pos, fresh] = batch_blocks.emplace(id, holder{it.seq, b});
-      require(fresh, detail::path("cache.table[seq {}][{}]", it.seq, b),
+      const bool read_only = b < shared;
+      const auto [pos, fresh] = batch_blocks.emplace(id, holder{it.seq, b, read_only});
+      // Two items may read one block of their shared prefixes; no item may write a block another holds.
+      require(fresh || (read_only && pos->second.read_only), detail::path("cache.table[seq {}][{}]", it.seq, b),
               "is block id {}, already used by seq {}; a block two sequences share is never written", id,
               pos->second.seq);
-      require(!cache.sharing.marked() || !cache.sharing.shared(id), detail::path("cache.table[seq {}][{}]", it.seq, b),
+      require(read_only || !cache.sharing.marked() || !cache.sharing.shared(id),
+              detail::path("cache.table[seq {}][{}]", it.seq, b),
               "is block id {}, which cache.sharing marks as shared with another request; a shared block is never "
               "written",
               id);
+      const auto target = target_of.find(id);
+      require(target == target_of.end(), detail::path("batch.targets.blocks[{}]", target == target_of.end() ? 0 : target->second),
+              "is block id {}, which seq {} holds; a target must be free", id, it.seq);
     }
 
     require(it.budget > 0, field("budget"), "is {}; must be positive", it.budget);
@@ -228,8 +260,11 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
     const std::int32_t blocks = check_length(seq);
     for (std::int32_t b = 0; b < blocks; ++b) {
       const std::int32_t id = check_id(seq, b);
+      const auto target = target_of.find(id);
+      require(target == target_of.end(), detail::path("batch.targets.blocks[{}]", target == target_of.end() ? 0 : target->second),
+              "is block id {}, which seq {} holds; a target must be free", id, seq);
       const auto at = batch_blocks.find(id);
-      if (at == batch_blocks.end()) continue;
+      if (at == batch_blocks.end() || at->second.read_only) continue;
       require(false, detail::path("cache.table[seq {}][{}]", at->second.seq, at->second.index),
               "is block id {}, which seq {} (not in the batch) also holds; a block two sequences share is never "
               "written",

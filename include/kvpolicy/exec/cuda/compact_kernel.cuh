@@ -7,6 +7,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/destination_table.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
@@ -81,7 +83,8 @@ __device__ inline void for_each_slot(std::int32_t kept, std::int32_t vecs, Fn fn
 template <class P>
 __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
                                                               const std::uint8_t* keep, std::int32_t chunk,
-                                                              std::int32_t slices, const std::int32_t* ready_in) {
+                                                              std::int32_t slices, const std::int32_t* ready_in,
+                                                              prefix_targets targets, const float* f_stash) {
   using scan = cub::BlockScan<std::int32_t, row_threads>;
   extern __shared__ uint4 smem16[];
   __shared__ typename scan::TempStorage scan_tmp;
@@ -97,6 +100,10 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   const row_coord rc = decode_row(rs, static_cast<std::uint32_t>(row));
   const batch_item it = rs.items[rc.item];
   const std::int32_t T = cache.lengths[it.seq], b = cache.block_size;
+  // Where kept tokens go: the own blocks, or the targets of a shared prefix, whose F
+  // the epilogue left in f_stash.
+  const destination_table to_table = destination_table::of(cache.table, it.seq, targets, rc.item);
+  const std::int32_t prefix_tokens = to_table.shared * b;
   // This block's slice: 16-byte vectors [v0, v0 + vecs) of each K and V row.
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16) / slices,
                      v0 = static_cast<std::int32_t>(blockIdx.x % slices) * vecs;
@@ -129,15 +136,21 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
     side = {};
     if (flag) {
       const std::int32_t to = p.layout.destination(written + before);
-      const bool moves = to != t;
-      src[0][before] = moves ? reinterpret_cast<const uint4*>(cache.k_row(rc.layer, it.seq, t, rc.head)) + v0 : nullptr;
-      src[1][before] = moves ? reinterpret_cast<const uint4*>(cache.v_row(rc.layer, it.seq, t, rc.head)) + v0 : nullptr;
-      dst[stage][0][before] = moves ? reinterpret_cast<uint4*>(cache.k_row(rc.layer, it.seq, to, rc.head)) + v0 : nullptr;
-      dst[stage][1][before] = moves ? reinterpret_cast<uint4*>(cache.v_row(rc.layer, it.seq, to, rc.head)) + v0 : nullptr;
+      // A token of a shared prefix moves even to its own position: to a target block.
+      const bool moves = to != t || to < prefix_tokens;
+      const std::int32_t from_block = moves ? cache.physical_block(it.seq, t) : 0;
+      const std::int32_t to_block = moves ? to_table.block(to / b) : 0;
+      src[0][before] = moves ? reinterpret_cast<const uint4*>(cache.k_row_at(rc.layer, from_block, t % b, rc.head)) + v0
+                             : nullptr;
+      src[1][before] = moves ? reinterpret_cast<const uint4*>(cache.v_row_at(rc.layer, from_block, t % b, rc.head)) + v0
+                             : nullptr;
+      dst[stage][0][before] =
+          moves ? reinterpret_cast<uint4*>(cache.k_row_at(rc.layer, to_block, to % b, rc.head)) + v0 : nullptr;
+      dst[stage][1][before] =
+          moves ? reinterpret_cast<uint4*>(cache.v_row_at(rc.layer, to_block, to % b, rc.head)) + v0 : nullptr;
       if (moves && (with_f || with_positions)) {
-        const std::int32_t from_block = cache.physical_block(it.seq, t), to_block = cache.physical_block(it.seq, to);
         if (with_f) {
-          side.f_val = f.at(rc.layer, from_block, t % b, rc.head);
+          side.f_val = t < prefix_tokens ? f_stash[row * rs.max_tokens + t] : f.at(rc.layer, from_block, t % b, rc.head);
           side.f_dst = &f.at(rc.layer, to_block, to % b, rc.head);
         }
         if (with_positions) {

@@ -58,9 +58,9 @@ std::string describe(const compress_plan<P>& pl) {
 // Where each buffer of the workspace lies, for the whole batch.
 template <class P>
 struct workspace_layout {
-  std::size_t scores = 0, red = 0, keep = 0, ready = 0, item_of_seq = 0, owner = 0, item_max = 0, item_rows_done = 0,
-              stats = 0;
-  bool own_keep = false, per_item_counts = false;
+  std::size_t scores = 0, red = 0, keep = 0, ready = 0, item_of_seq = 0, owner = 0, readers = 0, item_max = 0,
+              item_rows_done = 0, stats = 0, f_stash = 0;
+  bool own_keep = false, per_item_counts = false, stash_f = false;
   std::int64_t rows = 0;           // of the whole batch
   std::int64_t stats_per_row = 0;  // float2 per row
   typename compress_plan<P>::redundancy_stage::buffers redundancy;
@@ -149,7 +149,9 @@ class dispatch {
     layout_stage::check(c_, pl.layout);
   }
 
-  layout_type layout(const plan_type& pl, std::int32_t num_items, bool keep_given) const {
+  // `targets`: the batch gives targets for shared prefixes, whose F the epilogue
+  // leaves in the workspace for the compaction.
+  layout_type layout(const plan_type& pl, std::int32_t num_items, bool keep_given, bool targets) const {
     const std::size_t cells = static_cast<std::size_t>(pl.rows) * static_cast<std::size_t>(c_.max_tokens);
     layout_type w;
     w.rows = pl.rows;
@@ -158,6 +160,9 @@ class dispatch {
     w.ready = ws.take(layout_type::flag_sets * static_cast<std::size_t>(pl.rows) * sizeof(std::int32_t));
     w.item_of_seq = ws.take(static_cast<std::size_t>(c_.cache.num_seqs) * sizeof(std::int32_t));
     w.owner = ws.take(static_cast<std::size_t>(c_.cache.num_blocks) * sizeof(std::int32_t));
+    w.readers = ws.take(static_cast<std::size_t>(c_.cache.num_blocks) * sizeof(std::int32_t));
+    w.stash_f = targets && uses_score_cache<typename P::aggregate_type>();
+    if (w.stash_f) w.f_stash = ws.take(cells * sizeof(float));
     w.per_item_counts = !uniform_counts<typename P::select_type>;
     if (w.per_item_counts) {
       w.item_max = ws.take(static_cast<std::size_t>(num_items) * sizeof(std::int32_t));
@@ -179,12 +184,14 @@ class dispatch {
   // Validation: validate_kernel over the items (and the reset of the block owners),
   // then claim_blocks_kernel over the view's sequences.
   void validate(const plan_type& pl, const layout_type& w, std::byte* ws, const row_space& rs,
-                std::int32_t* nonfinite, cudaStream_t stream) const {
+                const prefix_targets& targets, std::int32_t* nonfinite, cudaStream_t stream) const {
     validation_state v;
     v.ready = reinterpret_cast<std::int32_t*>(ws + w.ready);
     v.flag_sets = layout_type::flag_sets;
     v.item_of_seq = reinterpret_cast<std::int32_t*>(ws + w.item_of_seq);
     v.owner = reinterpret_cast<std::int32_t*>(ws + w.owner);
+    v.readers = reinterpret_cast<std::int32_t*>(ws + w.readers);
+    v.targets = targets;
     if (w.per_item_counts) {
       v.item_max = reinterpret_cast<std::int32_t*>(ws + w.item_max);
       v.item_rows_done = reinterpret_cast<std::int32_t*>(ws + w.item_rows_done);
@@ -198,8 +205,8 @@ class dispatch {
   // then the stages, on one stream (chained by programmatic dependent launches unless
   // stage marks are recorded between them) or pipelined over item groups on two.
   template <class Out>
-  void run(const plan_type& pl, const layout_type& w, std::byte* ws, const row_space& rs, const Out& out,
-           const schedule& sc) const {
+  void run(const plan_type& pl, const layout_type& w, std::byte* ws, const row_space& rs,
+           const prefix_targets& targets, const Out& out, const schedule& sc) const {
     const auto mark = [&](int i) {
       if (sc.stage_marks) cudaEventRecord(sc.stage_marks[i], sc.stream);
     };
@@ -209,9 +216,9 @@ class dispatch {
       mark(1), mark(2), mark(3), mark(4);
       return;
     }
-    validate(pl, w, ws, rs, out.nonfinite_counts, sc.stream);
+    validate(pl, w, ws, rs, targets, out.nonfinite_counts, sc.stream);
     if (!sc.overlap_stream) {
-      run_stages(pl, w, ws, rs, 0, rs.num_items, out, {sc.stream, sc.stream, sc.stream, nullptr}, mark,
+      run_stages(pl, w, ws, rs, 0, rs.num_items, targets, out, {sc.stream, sc.stream, sc.stream, nullptr}, mark,
                  sc.stage_marks == nullptr);
     } else {
       // A pipeline: `stream` runs every group's epilogue and compaction, the overlap
@@ -227,8 +234,8 @@ class dispatch {
         const auto last = static_cast<std::int32_t>(std::int64_t{rs.num_items} * (g + 1) / groups);
         const stage_streams on{g == 0 && !pl.statistics ? sc.stream : sc.overlap_stream, sc.overlap_stream, sc.stream,
                                sc.overlap_events[1]};
-        run_stages(plan((last - first) * rows_per_item, last - first), w, ws, rs, first, last - first, out, on,
-                   [](int) {}, false);
+        run_stages(plan((last - first) * rows_per_item, last - first), w, ws, rs, first, last - first, targets, out,
+                   on, [](int) {}, false);
       }
       cudaEventRecord(sc.overlap_events[1], sc.overlap_stream);
       cudaStreamWaitEvent(sc.stream, sc.overlap_events[1], 0);
@@ -244,10 +251,13 @@ class dispatch {
   // programmatic dependent launches (nothing recorded between them).
   template <class Out, class Mark>
   void run_stages(const plan_type& pl, const layout_type& w, std::byte* ws, row_space rs, std::int32_t first,
-                  std::int32_t count, const Out& out, stage_streams on, Mark mark, bool programmatic) const {
+                  std::int32_t count, prefix_targets targets, const Out& out, stage_streams on, Mark mark,
+                  bool programmatic) const {
     const std::int64_t pitch = c_.max_tokens, row0 = std::int64_t{first} * rs.num_layers * rs.num_heads;
     rs.items += first;
     rs.num_items = count;
+    if (!targets.empty()) targets.indptr += first;  // the group's items
+    float* f_stash = w.stash_f ? rows_of<float>(ws, w.f_stash, row0, pitch) : nullptr;
     auto* scores = rows_of<float>(ws, w.scores, row0, pitch);
     auto* red = std::same_as<redundancy_stage, no_stage> ? nullptr : rows_of<float>(ws, w.red, row0, pitch);
     std::uint8_t* keep = (w.own_keep ? reinterpret_cast<std::uint8_t*>(ws + w.keep) : out.keep_masks) + row0 * pitch;
@@ -315,13 +325,17 @@ class dispatch {
       eo.item_max = reinterpret_cast<std::int32_t*>(ws + w.item_max) + first;
       eo.item_rows_done = reinterpret_cast<std::int32_t*>(ws + w.item_rows_done) + first;
     }
+    eo.targets = targets;
+    eo.f_stash = f_stash;
+    eo.new_tables = out.new_tables ? out.new_tables + std::int64_t{first} * max_blocks : nullptr;
     epilogue_stage::launch(c_, pl.epilogue, w.epilogue,
                            epilogue_launch{on.tail, chained, rs, row0, scores, red, eo,
                                            static_cast<const std::int32_t*>(score_ready), select_ready, ws});
     mark(3);
     if constexpr (!std::same_as<layout_stage, no_stage>) {
       layout_stage::launch(c_, pl.layout,
-                           layout_launch{on.tail, chained, rs, keep, static_cast<const std::int32_t*>(select_ready)});
+                           layout_launch{on.tail, chained, rs, keep, static_cast<const std::int32_t*>(select_ready),
+                                         targets, f_stash});
     }
   }
 

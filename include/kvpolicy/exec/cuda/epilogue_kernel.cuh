@@ -7,6 +7,8 @@
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/destination_table.hpp"
 #include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
@@ -54,10 +56,14 @@ __device__ void for_each_token_batched(std::int32_t end, Load load, Store store)
 }
 
 // Applies an aggregator (or a `then` of two) to s[0, n), as host::apply_aggregate.
+// F of the row's first `prefix_tokens` tokens (a shared prefix, compression_batch::
+// targets) is read from the shared blocks and written to `f_stash` ([tokens] of this
+// row), whence the compaction takes it to the targets.
 template <class A>
 __device__ void apply_aggregate(const A& a, float* s, float* tmp, std::int32_t n, std::int32_t history,
                                 epilogue_shared& sh, const paged_kv_view& cache, const score_view& f,
-                                const row_coord& rc, std::int32_t seq, std::int32_t T) {
+                                const row_coord& rc, std::int32_t seq, std::int32_t T, float* f_stash,
+                                std::int32_t prefix_tokens) {
   if constexpr (TemporalAggregator<A>) {
     if (a.max_norm) {
       float m = 0.0f;
@@ -75,7 +81,7 @@ __device__ void apply_aggregate(const A& a, float* s, float* tmp, std::int32_t n
         T,
         [&](std::int32_t t) {
           float* at = &f.at(rc.layer, cache.physical_block(seq, t), t % b, rc.head);
-          return f_slot{at, t < n && t < history ? *at : 0.0f};
+          return f_slot{t < prefix_tokens ? f_stash + t : at, t < n && t < history ? *at : 0.0f};
         },
         [&](std::int32_t t, const f_slot& slot) {
           if (t < n) {
@@ -99,8 +105,8 @@ __device__ void apply_aggregate(const A& a, float* s, float* tmp, std::int32_t n
     }
     __syncthreads();
   } else if constexpr (detail::is_then<A>::value) {
-    apply_aggregate(a.first, s, tmp, n, history, sh, cache, f, rc, seq, T);
-    apply_aggregate(a.second, s, tmp, n, history, sh, cache, f, rc, seq, T);
+    apply_aggregate(a.first, s, tmp, n, history, sh, cache, f, rc, seq, T, f_stash, prefix_tokens);
+    apply_aggregate(a.second, s, tmp, n, history, sh, cache, f, rc, seq, T, f_stash, prefix_tokens);
   }
 }
 
@@ -118,16 +124,25 @@ struct epilogue_out {
   // [items] each, zeroed by validation. The largest count so far, and rows done.
   std::int32_t* item_max = nullptr;
   std::int32_t* item_rows_done = nullptr;
+  // Shared prefixes: the launch group's targets, where their F goes ([rows][max_tokens])
+  // and, optionally, the items' new tables ([items][max_blocks]).
+  prefix_targets targets{};
+  float* f_stash = nullptr;
+  std::int32_t* new_tables = nullptr;
 };
 
-// The item's new length and the blocks it releases, written by one thread.
+// The item's new length, the blocks it releases (the targets it did not use too) and,
+// when asked for, its new table; written by one thread.
 __device__ inline void write_item_result(const epilogue_out& out, const paged_kv_view& cache, std::int32_t item,
                                          std::int32_t seq, std::int32_t T, std::int32_t new_length) {
   const std::int32_t b = cache.block_size, used = (T + b - 1) / b, kept = (new_length + b - 1) / b;
+  const destination_table to = destination_table::of(cache.table, seq, out.targets, item);
   out.new_lengths[item] = new_length;
   out.released_counts[item] = used - kept;
   for (std::int32_t k = kept; k < used; ++k)
-    out.released_blocks[std::int64_t{item} * out.max_blocks + (k - kept)] = cache.table.block(seq, k);
+    out.released_blocks[std::int64_t{item} * out.max_blocks + (k - kept)] = to.block(k);
+  if (out.new_tables)
+    for (std::int32_t k = 0; k < kept; ++k) out.new_tables[std::int64_t{item} * out.max_blocks + k] = to.block(k);
 }
 
 // `rows_global`: null when the row and its pooling copy fit in shared memory;
@@ -165,7 +180,9 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
       n, [&](std::int32_t t) { return scored ? scores_in[base + t] : 0.0f; },
       [&](std::int32_t t, float v) { s[t] = v; });
   __syncthreads();
-  apply_aggregate(p.aggregate, s, tmp, n, it.history_tokens, sh, cache, f, rc, it.seq, T);
+  const std::int32_t prefix_tokens = min(T, out.targets.count(rc.item) * cache.block_size);
+  apply_aggregate(p.aggregate, s, tmp, n, it.history_tokens, sh, cache, f, rc, it.seq, T,
+                  out.f_stash ? out.f_stash + base : nullptr, prefix_tokens);
 
   if constexpr (!std::same_as<typename P::redundancy_type, none>) {
     // R = softmax(red / tau) over the candidates; red_in already holds red / n / tau.

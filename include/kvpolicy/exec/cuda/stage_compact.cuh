@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/exec/cuda/compact_kernel.cuh"
 #include "kvpolicy/exec/cuda/launch.cuh"
@@ -22,6 +23,8 @@ struct layout_launch {
   row_space rs;
   const std::uint8_t* keep;         // [rows][max_tokens]
   const std::int32_t* ready_in;     // null, or the epilogue's row hand-off flags
+  prefix_targets targets;           // the launch group's shared prefixes' targets (or none)
+  const float* f_stash;             // [rows][max_tokens]: F of the shared prefixes' tokens, or null
 };
 
 struct compact_stage {
@@ -60,7 +63,7 @@ struct compact_stage {
     // F moves with its tokens only when the pipeline keeps scores in it.
     const score_view moved_f = uses_score_cache<typename P::aggregate_type>() ? c.f : score_view{};
     cuda::launch(pl, a.stream, a.programmatic, compact_kernel<P>, c.p, c.cache, moved_f, a.rs, a.keep, pl.chunk,
-                 pl.slices, a.ready_in);
+                 pl.slices, a.ready_in, a.targets, a.f_stash);
   }
 };
 

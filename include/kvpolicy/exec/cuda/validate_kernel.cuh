@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/batch.hpp"
 #include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
@@ -24,14 +25,17 @@ struct validation_state {
   std::int32_t* ready = nullptr;        // [flag_sets][rows]: row hand-off flags
   std::int32_t flag_sets = 0;
   std::int32_t* item_of_seq = nullptr;  // [num_seqs]: a batch item naming the sequence, if any
-  std::int32_t* owner = nullptr;        // [num_blocks]: the sequence that claimed the block, -1 before
+  std::int32_t* owner = nullptr;        // [num_blocks]: the sequence that claimed the block, -1 before;
+                                        // -2 - item for a target of that item
+  std::int32_t* readers = nullptr;      // [num_blocks]: non-zero where a batch item reads it as its shared prefix
+  prefix_targets targets{};             // the batch's targets (device_batch::targets)
   std::int32_t* item_max = nullptr;     // [items], or null
   std::int32_t* item_rows_done = nullptr;
   std::int32_t* nonfinite = nullptr;    // [items], or null (device_result::nonfinite_counts)
 };
 
-// Blocks of validate_kernel past the items that reset `owner`, each some 16 entries
-// per thread.
+// Blocks of validate_kernel past the items that reset `owner` and `readers`, each some
+// 16 entries per thread.
 KVP_HOST_DEVICE constexpr std::int32_t owner_reset_blocks(std::int32_t num_blocks) {
   const std::int32_t per_block = 16 * row_threads;
   return (num_blocks + per_block - 1) / per_block;
@@ -50,6 +54,14 @@ __device__ inline std::int32_t batch_item_of(const validation_state& v, const ro
   return first;
 }
 
+// Where block `id` is in `seq`'s table (its first entry), for an error's message.
+__device__ inline std::int32_t logical_block_of(const paged_kv_view& cache, std::int32_t seq, std::int32_t id) {
+  const std::int32_t blocks = (cache.lengths[seq] + cache.block_size - 1) / cache.block_size;
+  std::int32_t at = 0;
+  while (at < blocks && cache.table.block(seq, at) != id) ++at;
+  return at;
+}
+
 // One block per batch item, then owner_reset_blocks blocks that reset `owner`.
 // Mirrors validate_batch (exec/validate.hpp) for the item: its sequence, length, block
 // ids, budget, windows, history and slot. First it clears the item's row hand-off
@@ -61,8 +73,10 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
   if (static_cast<std::int32_t>(blockIdx.x) >= rs.num_items) {
     const auto first = (static_cast<std::int32_t>(blockIdx.x) - rs.num_items) * static_cast<std::int32_t>(blockDim.x);
     const auto step = static_cast<std::int32_t>((gridDim.x - rs.num_items) * blockDim.x);
-    for (std::int32_t k = first + static_cast<std::int32_t>(threadIdx.x); k < cache.num_blocks; k += step)
+    for (std::int32_t k = first + static_cast<std::int32_t>(threadIdx.x); k < cache.num_blocks; k += step) {
       v.owner[k] = -1;
+      v.readers[k] = 0;
+    }
     return;
   }
   const std::int32_t i = blockIdx.x;
@@ -100,6 +114,15 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
     const std::int32_t id = cache.table.block(it.seq, k);
     if (id < 0 || id >= cache.num_blocks) report(rs.status, status_code::block_out_of_range, i, it.seq, k, id);
   }
+  const std::int32_t shared = v.targets.count(i);
+  if (shared < 0 || shared > (T + b - 1) / b)
+    return (void)(threadIdx.x == 0 ? report(rs.status, status_code::targets_over_blocks, i, shared, it.seq, (T + b - 1) / b)
+                                   : void());
+  for (std::int32_t j = threadIdx.x; j < shared; j += blockDim.x) {
+    const std::int32_t id = v.targets.block(i, j);
+    if (id < 0 || id >= cache.num_blocks)
+      report(rs.status, status_code::target_out_of_range, i, v.targets.indptr[i] + j, id);
+  }
 
   if (threadIdx.x != 0) return;
   if (it.budget <= 0) return report(rs.status, status_code::budget_not_positive, i, it.budget);
@@ -130,9 +153,12 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
 // ids of the sequences outside the batch (read below), and every block each sequence
 // holds claimed in `owner`. A block two sequences claim, one of them in the batch, is
 // shared: its batch sequence may not be compressed. So is one the engine's marker
-// (cache.sharing) names. Also reports a batch item naming a sequence an earlier item
-// names. (A template only so that every translation unit may define it, as an inline
-// function.)
+// (cache.sharing) names. The blocks of a batch item's shared prefix (targets) are only
+// read: they are marked in `readers` instead, and a batch item that writes one of them
+// stops the compression (each side sets its mark, then looks for the other's, so one of
+// the two sees it). The targets are claimed too: no sequence may hold one. Also reports
+// a batch item naming a sequence an earlier item names. (A template only so that every
+// translation unit may define it, as an inline function.)
 template <int = 0>
 __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view cache, row_space rs,
                                                                    validation_state v) {
@@ -152,6 +178,18 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
     for (std::int32_t j = item + 1; j < rs.num_items; ++j)
       if (rs.items[j].seq == seq) report(rs.status, status_code::seq_repeated, j, seq);
   }
+  const auto target_holder = [&](std::int32_t owner) { return -2 - owner; };  // the item of a target claim
+  const std::int32_t shared = in_batch ? v.targets.count(item) : 0;
+  // The targets of this sequence's item: free, and nobody's prefix.
+  for (std::int32_t j = threadIdx.x; j < shared; j += blockDim.x) {
+    const std::int32_t id = v.targets.block(item, j);
+    const std::int32_t other = atomicCAS(v.owner + id, -1, -2 - item);
+    __threadfence();
+    if (other != -1)
+      report(rs.status, status_code::target_held, item, id, other >= 0 ? other : rs.items[target_holder(other)].seq, item);
+    else if (atomicAdd(v.readers + id, 0) != 0)
+      report(rs.status, status_code::target_held, item, id, -1, item);
+  }
   const std::int32_t blocks = (T + b - 1) / b;
   for (std::int32_t k = threadIdx.x; k < blocks; k += blockDim.x) {
     const std::int32_t id = cache.table.block(seq, k);
@@ -159,9 +197,30 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
       if (!in_batch) report(rs.status, status_code::block_out_of_range, -1, seq, k, id);
       continue;  // a batch sequence's ids were checked by validate_kernel
     }
+    if (in_batch && k < shared) {
+      // A block of the item's shared prefix: read only. No batch item may write it,
+      // and it may not be anybody's target.
+      atomicOr(v.readers + id, 1);
+      __threadfence();
+      const std::int32_t owner = atomicAdd(v.owner + id, 0);
+      if (owner <= -2)
+        report(rs.status, status_code::target_held, target_holder(owner), id, seq, target_holder(owner));
+      else if (owner >= 0 && batch_item_of(v, rs, owner) >= 0)
+        report(rs.status, status_code::prefix_block_written, batch_item_of(v, rs, owner), owner,
+               logical_block_of(cache, owner, id), id);
+      continue;
+    }
     if (in_batch && cache.sharing.marked() && cache.sharing.shared(id))
       report(rs.status, status_code::block_marked_shared, item, seq, k, id);
     const std::int32_t other = atomicCAS(v.owner + id, -1, seq);
+    if (other <= -2) {
+      report(rs.status, status_code::target_held, target_holder(other), id, seq, target_holder(other));
+      continue;
+    }
+    if (in_batch && other == -1) {
+      __threadfence();
+      if (atomicAdd(v.readers + id, 0) != 0) report(rs.status, status_code::prefix_block_written, item, seq, k, id);
+    }
     if (other == -1 || (other == seq && !in_batch)) continue;
     if (other == seq) {
       report(rs.status, status_code::block_repeated, item, seq, k, id, seq);
@@ -173,10 +232,8 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
              seq, k, id, other);
     } else if (other_item >= 0) {
       // The batch sequence claimed it first: name its entry of the block.
-      const std::int32_t other_blocks = (cache.lengths[other] + b - 1) / b;
-      std::int32_t at = 0;
-      while (at < other_blocks && cache.table.block(other, at) != id) ++at;
-      report(rs.status, status_code::block_held_outside_batch, other_item, other, at, id, seq);
+      report(rs.status, status_code::block_held_outside_batch, other_item, other, logical_block_of(cache, other, id),
+             id, seq);
     }
   }
 }

@@ -6,6 +6,7 @@
 #include <span>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/destination_table.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
 #include "kvpolicy/pipeline/concepts.hpp"
@@ -13,26 +14,31 @@
 KVP_NAMESPACE_BEGIN
 namespace host {
 
-// Moves the kept tokens of the row to l.destination(i), front to back, with their F
-// when `f` is not empty and their positions when the cache has them; writes only
-// slots whose content changes. Returns the kept count.
+// Moves the kept tokens of the row to l.destination(i), front to back, into the
+// blocks of `to` (the sequence's own table, or fresh targets for a shared prefix),
+// with their F when `f` is not empty and their positions when the cache has them;
+// writes only slots whose place changes. F of the tokens in a shared prefix comes from
+// `prefix_f` (the new F, which the shared block must not take). Returns the kept count.
 template <Layout L>
-std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f, std::int32_t layer,
-                         std::int32_t seq, std::int32_t head, std::span<const std::uint8_t> keep) {
+std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f, std::span<const float> prefix_f,
+                         const destination_table& to, std::int32_t layer, std::int32_t seq, std::int32_t head,
+                         std::span<const std::uint8_t> keep) {
   const auto T = static_cast<std::int32_t>(keep.size());
+  const std::int32_t b = c.block_size;
   const std::size_t bytes = static_cast<std::size_t>(c.row_bytes());
   std::int32_t kept = 0;
   for (std::int32_t t = 0; t < T; ++t) {
     if (!keep[t]) continue;
     const std::int32_t dst = l.destination(kept++);
-    if (dst == t) continue;
-    std::memmove(c.k_row(layer, seq, dst, head), c.k_row(layer, seq, t, head), bytes);
-    std::memmove(c.v_row(layer, seq, dst, head), c.v_row(layer, seq, t, head), bytes);
-    const std::int32_t to_block = c.physical_block(seq, dst), from_block = c.physical_block(seq, t);
+    const std::int32_t from_block = c.physical_block(seq, t), to_block = to.block(dst / b);
+    if (from_block == to_block && dst % b == t % b) continue;
+    std::memmove(c.k_row_at(layer, to_block, dst % b, head), c.k_row_at(layer, from_block, t % b, head), bytes);
+    std::memmove(c.v_row_at(layer, to_block, dst % b, head), c.v_row_at(layer, from_block, t % b, head), bytes);
     if (!f.empty())
-      f.at(layer, to_block, dst % c.block_size, head) = f.at(layer, from_block, t % c.block_size, head);
+      f.at(layer, to_block, dst % b, head) =
+          t < to.shared * b ? prefix_f[t] : f.at(layer, from_block, t % b, head);
     if (!c.positions.empty())
-      c.positions.at(layer, to_block, dst % c.block_size, head) = c.positions.at(layer, from_block, t % c.block_size, head);
+      c.positions.at(layer, to_block, dst % b, head) = c.positions.at(layer, from_block, t % b, head);
   }
   return kept;
 }
