@@ -1,7 +1,10 @@
 // The CUDA executor inside a CUDA graph, and malformed device data: caught on the
 // device, reported as the host's kvp::error, with nothing written.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -266,6 +269,70 @@ TEST_CASE("ties go to the most recent token on the device") {
                       " row ", row, " token ", t);
   }
   CHECK(to_host(out.new_lengths) == std::vector<std::int32_t>{100, 64});
+}
+
+}  // namespace
+}  // namespace kvp_gpu
+
+namespace kvp_gpu {
+namespace {
+
+// Shared prefixes on the device (device_batch::targets): seq 1's first block is seq
+// 0's. Compressed into a free target it runs clean and leaves the shared block as it
+// was; a target another sequence holds, and a prefix block that another item of the
+// batch writes, are refused with nothing written.
+TEST_CASE("shared prefixes compress into targets on the device; bad targets are refused") {
+  gpu_case c(zipage_case());
+  c.table[c.max_blocks] = c.table[0];  // seq 1's block 0 is seq 0's
+  std::vector<std::int32_t> free;
+  for (std::int32_t id = 0; id < c.num_blocks; ++id)
+    if (std::find(c.table.begin(), c.table.end(), id) == c.table.end()) free.push_back(id);
+  REQUIRE(free.size() >= 2);
+  const std::int32_t shared_block = c.table[0];
+  const auto attempt = [&](const std::vector<kvp::batch_item>& items, const std::vector<std::int32_t>& indptr,
+                           const std::vector<std::int32_t>& targets) {
+    device_side dev(c);
+    const auto kv_before = to_host(dev.kv);
+    device_outputs out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+    const thrust::device_vector<std::int32_t> d_indptr = to_device(indptr), d_targets = to_device(targets);
+    out.batch.targets = {thrust::raw_pointer_cast(d_indptr.data()), thrust::raw_pointer_cast(d_targets.data())};
+    REQUIRE_EQ(cudaSuccess, out.run(kvp::cuda_executor{}, kvp::presets::zipage{}, dev));
+    REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const auto kv = to_host(dev.kv);
+    return std::tuple{to_host(out.status), kv == kv_before, kv, kv_before};
+  };
+  SUBCASE("a free target: compressed, the shared block untouched") {
+    const auto [status, unchanged, kv, kv_before] = attempt({{1, 1, 192, 0}}, {0, 1}, {free[0]});
+    CHECK(status[0] == 0);
+    CHECK_FALSE(unchanged);
+    // Every byte of the shared block, in every layer, K and V: offsets from a host view.
+    host_side at(c);
+    const auto offset = [&](const std::byte* row) { return static_cast<std::size_t>(row - at.kv.data()); };
+    const auto row_bytes = static_cast<std::size_t>(at.cache.row_bytes());
+    for (std::int32_t l = 0; l < c.cfg.layers; ++l)
+      for (std::int32_t slot = 0; slot < c.cfg.block_size; ++slot)
+        for (std::int32_t h = 0; h < c.cfg.kv_heads; ++h)
+          for (const std::byte* row : {at.cache.k_row_at(l, shared_block, slot, h), at.cache.v_row_at(l, shared_block, slot, h)})
+            CHECK(std::memcmp(kv.data() + offset(row), kv_before.data() + offset(row), row_bytes) == 0);
+  }
+  const auto refused = [&](const std::vector<kvp::batch_item>& items, const std::vector<std::int32_t>& indptr,
+                           const std::vector<std::int32_t>& targets, const char* field) {
+    const auto [status, unchanged, kv, kv_before] = attempt(items, indptr, targets);
+    REQUIRE(status[0] != 0);
+    CHECK(unchanged);
+    try {
+      kvp::check(status.data());
+      FAIL("check() did not throw");
+    } catch (const kvp::error& e) {
+      CHECK(e.field() == field);
+      MESSAGE(std::string(e.what()));
+    }
+  };
+  SUBCASE("a target seq 2 holds") { refused({{1, 1, 192, 0}}, {0, 1}, {c.table[2 * c.max_blocks + 1]}, "batch.targets (item 0)"); }
+  SUBCASE("no target for the shared block") { refused({{1, 1, 192, 0}}, {0, 0}, {-1}, "cache.table[seq 1][0]"); }
+  SUBCASE("the prefix's owner in the batch, writing it") {
+    refused({{0, 0, 192, 0}, {1, 1, 192, 0}}, {0, 0, 1}, {free[0]}, "cache.table[seq 0][0]");
+  }
 }
 
 }  // namespace
