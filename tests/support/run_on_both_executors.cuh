@@ -146,8 +146,10 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
     const i32 b = tc.block_size();
     r.new_tables[i].assign(h_tables.begin() + from, h_tables.begin() + from + (std::max(h_lengths[i], 0) + b - 1) / b);
     // The shared blocks an item leaves are its table's first blocks: the engine's to
-    // know, the device reports none.
-    for (i32 j = 0; j < targets.count(i); ++j) r.unshared_blocks[i].push_back(tc.block(items[i].seq, j));
+    // know, the device reports none. Read from the table itself, which a test may have
+    // pointed at another sequence's blocks (a shared prefix).
+    for (i32 j = 0; j < targets.count(i); ++j)
+      r.unshared_blocks[i].push_back(tc.raw_table()[tc.table_index(items[i].seq, j)]);
     // Device rows are [item][layer][head] with a pitch of max_tokens; the host's are T long.
     const i32 T = tc.length(items[i].seq);
     for (i32 row = 0; row < layers * H; ++row) {

@@ -43,5 +43,12 @@ std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f
   return kept;
 }
 
+// The row compacted in place in the sequence's own blocks (no shared prefix).
+template <Layout L>
+std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f, std::int32_t layer,
+                         std::int32_t seq, std::int32_t head, std::span<const std::uint8_t> keep) {
+  return compact_row(l, c, f, {}, destination_table{c.table, seq}, layer, seq, head, keep);
+}
+
 }  // namespace host
 KVP_NAMESPACE_END
