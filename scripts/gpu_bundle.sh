@@ -5,7 +5,7 @@
 #   scripts/gpu_bundle.sh [DIR]          # default DIR: .gpu-bundle (git-ignored)
 #
 # DIR/bin: kvpolicy_gpu_tests, kvpolicy_gpu_unit_tests, kvpolicy_bench, kvpolicy_demo,
-# kvpolicy_custom_scorer;
+# kvpolicy_custom_scorer, kvpolicy_decode_loop;
 # DIR/lib: libkvp_capi.so (the PyTorch reference's C API) and the libraries the
 # binaries load that a bare CUDA machine lacks (Google Benchmark, fmt, the CUDA
 # runtime); DIR/BUILD_INFO: commit, architecture, date. scripts/gpu_check.sh and
@@ -29,11 +29,11 @@ fi
 KVP_BUILD=$BUILD kvp_configure -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
   -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_EXAMPLES=ON -DKVPOLICY_BUILD_BENCHMARKS=ON
 cmake --build "$BUILD" -j "$(kvp_jobs)" \
-  --target kvpolicy_gpu_tests kvpolicy_gpu_unit_tests kvpolicy_bench kvpolicy_demo kvpolicy_custom_scorer kvp_capi
+  --target kvpolicy_gpu_tests kvpolicy_gpu_unit_tests kvpolicy_bench kvpolicy_demo kvpolicy_custom_scorer kvpolicy_decode_loop kvp_capi
 
 rm -rf "$DIR"
 mkdir -p "$DIR/bin" "$DIR/lib"
-for exe in kvpolicy_gpu_tests kvpolicy_gpu_unit_tests kvpolicy_bench kvpolicy_demo kvpolicy_custom_scorer; do
+for exe in kvpolicy_gpu_tests kvpolicy_gpu_unit_tests kvpolicy_bench kvpolicy_demo kvpolicy_custom_scorer kvpolicy_decode_loop; do
   cp "$BUILD/bin/$exe" "$DIR/bin/"
 done
 cp "$(find "$BUILD" -name libkvp_capi.so -type f -print -quit)" "$DIR/lib/"

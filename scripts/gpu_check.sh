@@ -17,8 +17,9 @@
 #   bench-full bench/run_gpu.sh on the bundle (every row, the reference at 3 sizes)
 #   profile    Nsight Compute (--set full) of the four stage kernels of stage/zipage/A:
 #              $OUT/profile.ncu-rep and its details page, $OUT/profile.txt
-#   demo       the demo on the GPU (--device cuda) beside the host, and
-#              examples/custom_scorer (its policies on both executors)
+#   demo       the demo on the GPU (--device cuda) beside the host,
+#              examples/custom_scorer (its policies on both executors) and
+#              examples/decode_loop on the GPU and on the host
 # Environment: JOBS (default 4), SHARD (default 12), STEP_TIMEOUT seconds (default 540),
 # RACECHECK_PROPERTY_CASES (default 200).
 set -uo pipefail
@@ -139,6 +140,16 @@ step_demo() {
     run_logged custom_scorer.log "$BIN/kvpolicy_custom_scorer"
     rc=$?
     note "custom_scorer: exit $rc; $(grep -c 'CUDA executor: the same keep mask' "$OUT/custom_scorer.log") pipelines agree"
+  fi
+  # The decode loop exits non-zero if a compression's outcome differs from what the
+  # engine expected; its output is the figure docs/integration.md records.
+  if [[ -x $BIN/kvpolicy_decode_loop ]]; then
+    local d
+    for d in cuda host; do
+      run_logged "decode_loop_$d.log" "$BIN/kvpolicy_decode_loop" --device "$d"
+      rc=$?
+      note "decode_loop --device $d: exit $rc; $(grep -h 'compression' "$OUT/decode_loop_$d.log" | tr '\n' ' ')"
+    done
   fi
 }
 
