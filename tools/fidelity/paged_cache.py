@@ -1,0 +1,167 @@
+"""A paged KV cache in kvpolicy's `nano_vllm` layout, and the decode step that reads it.
+
+What an engine holds, and what the presets read (docs/views.md):
+
+- `kv`: one float32 tensor `[2, L, num_blocks, b, h_kv, d]` (K then V), `layouts::nano_vllm`;
+- `block_table`: `[num_seqs, max_blocks]` int32, dense; `lengths`: `[num_seqs]` int32;
+- `queries`: the observation-query window `[L, slots, w, h_q, d]` (query_window_view), one
+  slot per sequence, kept as a ring indexed by position % w (the order the library wants,
+  oldest first, is produced by `ordered_queries` when a compression reads it);
+- `scores`: the global score F, `[L, num_blocks, b, h_kv]` fp32 (score_view::contiguous);
+- `positions`: each cached token's original position, `[L, num_blocks, b, h_kv]` int32
+  (position_view::contiguous), moved with its token by a compression.
+
+Attention reads a sequence's tokens through its block table up to its length, so after a
+compression (kept tokens moved to the front, length shortened) the model sees only what
+was kept. K is stored with RoPE at the token's original position and is never rotated
+again, as the token-eviction methods assume.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from model import Config, Weights, apply_rope, rmsnorm, rope_tables, silu
+
+
+class PagedCache:
+    def __init__(self, cfg: Config, num_seqs: int, num_blocks: int, block_size: int, max_blocks: int, window: int):
+        self.cfg = cfg
+        self.b = block_size
+        self.window = window
+        L, hk, hq, d = cfg.n_layers, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+        self.kv = np.zeros((2, L, num_blocks, block_size, hk, d), dtype=np.float32)
+        self.block_table = np.full((num_seqs, max_blocks), -1, dtype=np.int32)
+        self.lengths = np.zeros(num_seqs, dtype=np.int32)
+        self.held = np.zeros(num_seqs, dtype=np.int32)  # table entries in use
+        self.next_pos = np.zeros(num_seqs, dtype=np.int64)  # original position of the next token
+        self.queries = np.zeros((L, num_seqs, window, hq, d), dtype=np.float32)
+        self.scores = np.zeros((L, num_blocks, block_size, hk), dtype=np.float32)
+        self.positions = np.zeros((L, num_blocks, block_size, hk), dtype=np.int32)
+        # Free list, lowest id first, as a simple engine allocator would hand them out.
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.peak_blocks_used = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[2]
+
+    # -- allocation -------------------------------------------------------------------
+
+    def _allocate(self, seq: int, n_tokens: int) -> None:
+        """Give `seq` enough blocks to hold n_tokens."""
+        need = -(-n_tokens // self.b)
+        if need > self.block_table.shape[1]:
+            raise RuntimeError(f"seq {seq}: {n_tokens} tokens need {need} blocks, table holds {self.block_table.shape[1]}")
+        while self.held[seq] < need:
+            if not self.free:
+                raise RuntimeError("out of KV blocks: size the pool larger")
+            self.block_table[seq, self.held[seq]] = self.free.pop()
+            self.held[seq] += 1
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - len(self.free))
+
+    def release(self, seq: int, new_length: int, released: np.ndarray | list[int]) -> None:
+        """The engine's side of a compression (views.md): new length, table tail, free list."""
+        keep = -(-int(new_length) // self.b)
+        tail = [int(x) for x in self.block_table[seq, keep : self.held[seq]]]
+        if sorted(tail) != sorted(int(x) for x in released):
+            raise RuntimeError(f"seq {seq}: released blocks {list(released)} are not the table's tail {tail}")
+        self.block_table[seq, keep:] = -1
+        self.held[seq] = keep
+        self.lengths[seq] = new_length
+        self.free.extend(reversed(tail))
+
+    # -- prefill: the same prompt in every sequence -----------------------------------
+
+    def fill_prompt(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, seqs=None) -> None:
+        """Write a prefilled prompt (k, v: [L, P, h_kv, d]; q: [L, P, h_q, d]) into every sequence."""
+        seqs = range(self.num_seqs) if seqs is None else seqs
+        P = k.shape[1]
+        t = np.arange(P)
+        for s in seqs:
+            if self.lengths[s] != 0:
+                raise RuntimeError("fill_prompt into a non-empty sequence")
+            self._allocate(s, P)
+            blocks = self.block_table[s, t // self.b]
+            slots = t % self.b
+            self.kv[0][:, blocks, slots] = k
+            self.kv[1][:, blocks, slots] = v
+            self.positions[:, blocks, slots] = t[None, :, None]
+            self.lengths[s] = P
+            self.next_pos[s] = P
+            last = np.arange(max(0, P - self.window), P)
+            self.queries[:, s, last % self.window] = q[:, last]
+
+    # -- the ordered observation window for a compression ----------------------------
+
+    def ordered_queries(self, seqs: list[int]) -> np.ndarray:
+        """[L, len(seqs), w, h_q, d], entry j the query of position T - w + j (oldest first)."""
+        out = np.empty((self.queries.shape[0], len(seqs)) + self.queries.shape[2:], dtype=np.float32)
+        for i, s in enumerate(seqs):
+            newest = int(self.next_pos[s] - 1)
+            out[:, i] = np.roll(self.queries[:, s], -((newest + 1) % self.window), axis=1)
+        return out
+
+    def snapshot(self) -> "PagedCache":
+        return copy.deepcopy(self)
+
+
+def decode_step(w: Weights, cache: PagedCache, tokens: np.ndarray) -> np.ndarray:
+    """One token for every sequence of the cache (tokens: [S]); returns logits [S, vocab].
+
+    The weights are read once for all sequences (one matrix product per weight); only
+    attention is per sequence, each through its own block table and length. Sequences of
+    equal length (the presets at one budget compress at the same steps) share one batched
+    attention product.
+    """
+    c = w.config
+    S = cache.num_seqs
+    hq, hk, d, G = c.n_heads, c.n_kv_heads, c.head_dim, c.group
+    t_new = cache.lengths.copy()  # slot of the new token in each sequence
+    for s in range(S):
+        cache._allocate(s, int(t_new[s]) + 1)
+    blk = cache.block_table[np.arange(S), t_new // cache.b]
+    slot = t_new % cache.b
+    pos = cache.next_pos.copy()
+    ring = pos % cache.window
+    cos, sin = rope_tables(c, pos)
+    groups = [np.flatnonzero(t_new == T) for T in np.unique(t_new)]
+    scale = np.float32(1.0 / np.sqrt(d))
+
+    x = w.embed[tokens]
+    for l in range(c.n_layers):
+        h = rmsnorm(x, w.attn_norm[l], c.rms_eps)
+        qkv = h @ w.wqkv[l]
+        q = apply_rope(qkv[:, : c.hidden].reshape(S, hq, d), cos, sin)
+        k = apply_rope(qkv[:, c.hidden : c.hidden + hk * d].reshape(S, hk, d), cos, sin)
+        v = qkv[:, c.hidden + hk * d :].reshape(S, hk, d)
+        cache.kv[0, l, blk, slot] = k
+        cache.kv[1, l, blk, slot] = v
+        cache.positions[l, blk, slot] = pos[:, None]
+        cache.queries[l, np.arange(S), ring] = q
+        o = np.empty((S, hk, G, d), dtype=np.float32)
+        kl, vl = cache.kv[0, l], cache.kv[1, l]
+        for g in groups:
+            T = int(t_new[g[0]]) + 1
+            nb = -(-T // cache.b)
+            tbl = cache.block_table[g, :nb]  # [n, nb]
+            K = kl[tbl].reshape(len(g), nb * cache.b, hk, d)[:, :T]  # [n, T, hk, d]
+            V = vl[tbl].reshape(len(g), nb * cache.b, hk, d)[:, :T]
+            qg = q[g].reshape(len(g), hk, G, d)
+            sc = np.matmul(qg, K.transpose(0, 2, 3, 1)) * scale  # [n, hk, G, T]
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            sc /= sc.sum(axis=-1, keepdims=True)
+            o[g] = np.matmul(sc, V.transpose(0, 2, 1, 3))  # [n, hk, G, d]
+        x = x + o.reshape(S, c.hidden) @ w.wo[l]
+        h = rmsnorm(x, w.ffn_norm[l], c.rms_eps)
+        gu = h @ w.wgu[l]
+        x = x + (silu(gu[:, : c.ffn]) * gu[:, c.ffn :]) @ w.wdown[l]
+    cache.lengths += 1
+    cache.next_pos += 1
+    return rmsnorm(x, w.out_norm, c.rms_eps) @ w.embed_t
