@@ -79,8 +79,11 @@ __device__ inline void for_each_slot(std::int32_t kept, std::int32_t vecs, Fn fn
 // by 16-byte slots (for_each_slot), F and the positions through the registers of the
 // thread that found the token. A block moves one column slice of its row (compact_slices; blocks
 // of a row adjacent, F moved by the first). `ready_in`: null to wait for the whole
-// epilogue grid first, or its row hand-off flags.
-template <class P>
+// epilogue grid first, or its row hand-off flags. `EngineState`: the view has
+// positions or the batch targets for shared prefixes; without them the kernel is the
+// plain compaction, whose per-token work (most of a row's time when the row is split
+// over slices) carries no branch or register for either.
+template <class P, bool EngineState>
 __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view cache, score_view f, row_space rs,
                                                               const std::uint8_t* keep, std::int32_t chunk,
                                                               std::int32_t slices, const std::int32_t* ready_in,
@@ -102,13 +105,14 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   const std::int32_t T = cache.lengths[it.seq], b = cache.block_size;
   // Where kept tokens go: the own blocks, or the targets of a shared prefix, whose F
   // the epilogue left in f_stash.
-  const destination_table to_table = destination_table::of(cache.table, it.seq, targets, rc.item);
-  const std::int32_t prefix_tokens = to_table.shared * b;
+  const destination_table to_table = EngineState ? destination_table::of(cache.table, it.seq, targets, rc.item)
+                                                 : destination_table{cache.table, it.seq};
+  const std::int32_t prefix_tokens = EngineState ? to_table.shared * b : 0;
   // This block's slice: 16-byte vectors [v0, v0 + vecs) of each K and V row.
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16) / slices,
                      v0 = static_cast<std::int32_t>(blockIdx.x % slices) * vecs;
   // F and the positions move with their tokens through the first slice's block.
-  const bool with_f = !f.empty() && v0 == 0, with_positions = !cache.positions.empty() && v0 == 0;
+  const bool with_f = !f.empty() && v0 == 0, with_positions = EngineState && !cache.positions.empty() && v0 == 0;
   const std::size_t stage_vecs = 2 * std::size_t(chunk) * vecs;
   // A moving token's F and position, and where they go (null: nothing to move).
   struct sidecar_move {

@@ -62,8 +62,10 @@ struct compact_stage {
   static void launch(const stage_context<P>& c, const plan_type& pl, const layout_launch& a) {
     // F moves with its tokens only when the pipeline keeps scores in it.
     const score_view moved_f = uses_score_cache<typename P::aggregate_type>() ? c.f : score_view{};
-    cuda::launch(pl, a.stream, a.programmatic, compact_kernel<P>, c.p, c.cache, moved_f, a.rs, a.keep, pl.chunk,
-                 pl.slices, a.ready_in, a.targets, a.f_stash);
+    const auto kernel =
+        a.targets.empty() && c.cache.positions.empty() ? compact_kernel<P, false> : compact_kernel<P, true>;
+    cuda::launch(pl, a.stream, a.programmatic, kernel, c.p, c.cache, moved_f, a.rs, a.keep, pl.chunk, pl.slices,
+                 a.ready_in, a.targets, a.f_stash);
   }
 };
 
