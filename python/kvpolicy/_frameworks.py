@@ -1,0 +1,80 @@
+"""Arrays in the caller's framework: device allocations and host results.
+
+Device buffers (results, workspace) are allocated by the framework the cache comes
+from, so that its allocator owns them: PyTorch's caching allocator (a captured
+``torch.cuda.graph`` then takes them from the graph's pool), CuPy's memory pool.
+Any other DLPack framework gets memory from ``cudaMallocAsync`` on the call's
+stream, freed on that stream, as arrays that support ``__dlpack__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import _core
+
+_TORCH_DTYPES = {"int32": "int32", "uint8": "uint8", "float32": "float32"}
+
+
+def is_device_array(x) -> bool:
+    """Whether `x` is a DLPack array in CUDA memory (device or managed)."""
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None:
+        return False
+    try:
+        kind = dev()[0]
+    except Exception:  # a framework that cannot say: treat it as host
+        return False
+    return int(kind) in (2, 13)
+
+
+class DeviceAllocator:
+    """Allocates on `device`, ordered on the call's stream, with `framework`."""
+
+    def __init__(self, framework: str, device: int, stream: int):
+        self.framework, self.device, self.stream = framework, device, stream
+
+    @contextlib.contextmanager
+    def _on_stream(self):
+        # The framework's allocator ties a block to its current stream: make that the
+        # call's stream while allocating, so a block is not reused before the call ends.
+        if self.framework == "torch":
+            import torch
+
+            current = torch.cuda.current_stream(self.device)
+            if int(current.cuda_stream) == self.stream:
+                yield
+            else:
+                with torch.cuda.stream(torch.cuda.ExternalStream(self.stream, device=self.device)):
+                    yield
+        elif self.framework == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(self.stream):
+                yield
+        else:
+            yield
+
+    def empty(self, shape, dtype: str):
+        shape = tuple(int(s) for s in shape)
+        with self._on_stream():
+            if self.framework == "torch":
+                import torch
+
+                return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=f"cuda:{self.device}")
+            if self.framework == "cupy":
+                import cupy
+
+                return cupy.empty(shape, dtype=dtype)
+        return _core.device_empty(list(shape), dtype, self.device, self.stream)
+
+
+def host_result(array: np.ndarray, framework: str):
+    """A NumPy result in the cache's framework (PyTorch CPU tensors share the memory)."""
+    if framework == "torch":
+        import torch
+
+        return torch.from_numpy(array)
+    return array

@@ -1,0 +1,239 @@
+"""kvpolicy.compress: one call, host or device, on the caller's own tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _core
+from ._frameworks import DeviceAllocator, host_result, is_device_array
+from ._streams import stream_handle
+from .errors import Error
+
+# The four columns of a batch item, in kvp::batch_item's memory order (src/items.hpp
+# asserts it): one int32 row per item.
+_ITEM_COLUMNS = ("seq", "query_slot", "budget", "history_tokens")
+
+
+@dataclasses.dataclass
+class CompressResult:
+    """What a compression returns, per batch item ``i`` (arrays of the cache's framework).
+
+    new_lengths[i]          tokens the sequence now holds (set ``lengths[seq]`` to it)
+    released_counts[i]      how many blocks it released
+    released_blocks[i, j]   the released physical block ids, ``j < released_counts[i]``;
+                            -1 after them (width ``ceil(max_tokens / block_size)``)
+    kept_counts[i, l, h]    tokens each (layer, KV head) keeps (layers of the call)
+    nonfinite_scores[i]     NaN or infinite candidate scores seen
+    keep_masks[i, l, h, t]  1 where token t was kept, 0 past the sequence's length
+                            (only with ``return_masks=True``; width ``max_tokens``)
+    scores[i, l, h, t]      final scores after protect (only with ``return_scores=True``)
+    status                  the device path's 8 status words (None on the host)
+
+    On the device these are device arrays written asynchronously on the call's stream;
+    read them after it (``check()`` waits for it and raises what the status holds).
+    """
+
+    new_lengths: Any
+    released_counts: Any
+    released_blocks: Any
+    kept_counts: Any
+    nonfinite_scores: Any
+    keep_masks: Any = None
+    scores: Any = None
+    status: Any = None
+    stream: Optional[int] = None
+
+    def check(self) -> "CompressResult":
+        """Raises the kvpolicy.Error a device validation found (waits for the stream).
+
+        On the host every error was raised by ``compress`` already: nothing to do.
+        """
+        if self.status is not None:
+            _core.check_device_status(self.status, self.stream)
+        return self
+
+    def released(self, i: int):
+        """Item ``i``'s released blocks (reads its count: waits for a device result)."""
+        return self.released_blocks[i, : int(self.released_counts[i])]
+
+
+def _column(name: str, value, n: Optional[int]):
+    """One item column as int64 host values (a scalar broadcast to n)."""
+    if value is None:
+        raise Error(f"kvpolicy: {name}: is None; an int or one per item is needed", name)
+    if is_device_array(value):
+        raise Error(f"kvpolicy: {name}: lives on a CUDA device; the host path reads host memory", name)
+    a = np.asarray(value)
+    if a.dtype.kind not in "iu":
+        raise Error(f"kvpolicy: {name}: has element type {a.dtype}; expected integers", name)
+    if a.ndim > 1:
+        raise Error(f"kvpolicy: {name}: has shape {a.shape}; expected an int or a vector", name)
+    if a.ndim == 1 and n is not None and a.shape[0] != n:
+        raise Error(f"kvpolicy: {name}: has {a.shape[0]} entries; seqs has {n}", name)
+    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise Error(f"kvpolicy: {name}: holds {a.max() if a.max() > 0 else a.min()}; out of the int32 range", name)
+    return a.astype(np.int64)
+
+
+def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
+    seq = _column("seqs", seqs, None)
+    if seq.ndim == 0:
+        seq = seq.reshape(1)
+    n = seq.shape[0]
+    columns = {
+        "seq": seq,
+        "query_slot": seq if query_slots is None else _column("query_slots", query_slots, n),
+        "budget": _column("budgets", budgets, n),
+        "history_tokens": _column("history_tokens", history_tokens, n),
+    }
+    items = np.empty((n, 4), dtype=np.int32)
+    for j, name in enumerate(_ITEM_COLUMNS):
+        items[:, j] = np.broadcast_to(columns[name], (n,))
+    return items
+
+
+def _device_items(seqs, budgets, history_tokens, query_slots, framework: str, device: int):
+    """Items built on the device by the framework that holds them (no host round trip)."""
+    given = [x for x in (seqs, budgets, history_tokens, query_slots) if is_device_array(x)]
+    if framework != "torch" and not all(type(x).__module__.startswith("cupy") for x in given):
+        raise Error(
+            "kvpolicy: seqs: device item arrays are supported as PyTorch or CuPy arrays; pass host values "
+            "(ints, lists, NumPy) instead",
+            "seqs",
+        )
+    if type(given[0]).__module__.startswith("torch"):
+        import torch
+
+        seq = torch.as_tensor(seqs, device=f"cuda:{device}").reshape(-1)
+        n = seq.shape[0]
+
+        def col(x):
+            return torch.as_tensor(x, device=f"cuda:{device}").to(torch.int32).expand(n)
+
+        cols = [col(seq), col(seq if query_slots is None else query_slots), col(budgets), col(history_tokens)]
+        return torch.stack(cols, dim=1).contiguous()
+    import cupy
+
+    with cupy.cuda.Device(device):
+        seq = cupy.asarray(seqs).reshape(-1)
+        n = seq.shape[0]
+
+        def col(x):
+            return cupy.broadcast_to(cupy.asarray(x).astype(cupy.int32), (n,))
+
+        cols = [col(seq), col(seq if query_slots is None else query_slots), col(budgets), col(history_tokens)]
+        return cupy.ascontiguousarray(cupy.stack(cols, axis=1))
+
+
+def _items(seqs, budgets, history_tokens, query_slots, cache):
+    if cache.device is not None and any(is_device_array(x) for x in (seqs, budgets, history_tokens, query_slots)):
+        return _device_items(seqs, budgets, history_tokens, query_slots, cache.framework, cache.device)
+    return _host_items(seqs, budgets, history_tokens, query_slots)
+
+
+def compress(
+    policy,
+    cache: _core.PagedCache,
+    *,
+    seqs,
+    budgets,
+    history_tokens=0,
+    query_slots=None,
+    queries=None,
+    scores=None,
+    layer_begin: int = 0,
+    layer_count: int = 0,
+    max_tokens: Optional[int] = None,
+    return_masks: bool = False,
+    return_scores: bool = False,
+    stream=None,
+    workspace=None,
+    check: bool = True,
+) -> CompressResult:
+    """Compresses the sequences ``seqs`` of ``cache`` in place with ``policy``.
+
+    policy          a preset: ``kvpolicy.Zipage(window=8)``, ``kvpolicy.preset("snapkv")``, ...
+    cache           a ``kvpolicy.PagedCache`` over the engine's tensors (host or CUDA)
+    seqs            the sequences (rows of the block table) to compress: int or [n]
+    budgets         tokens each (layer, KV head) keeps: int or [n]
+    history_tokens  leading tokens whose F holds an earlier score (0: never compressed)
+    query_slots     each item's slot of ``queries`` (default: its seq)
+    queries         the observation queries [L, slots, window, h_q, d] (attention presets)
+    scores          F, float32 [L, num_blocks, block_size, h_kv] (Zipage, G-KV, H2O)
+    layer_begin, layer_count   the layers to compress (0: all from layer_begin on)
+    max_tokens      width of the per-token results; on the device an upper bound of the
+                    batch's lengths (default ``cache.max_tokens``: the table's room)
+    return_masks, return_scores   also return keep masks / final scores
+    stream          device: the CUDA stream (default: the framework's current stream)
+    workspace       device: a contiguous device array of at least ``workspace_bytes(...)``
+                    bytes (default: allocated by the cache's framework)
+    check           device: wait for the stream and raise the error a device-side
+                    validation found. ``False`` returns without waiting (needed under
+                    CUDA graph capture); call ``result.check()`` later.
+
+    Items may be device arrays (PyTorch or CuPy) on the device path, and are then
+    read there; host values are baked into the launch (and into a captured graph).
+
+    Raises kvpolicy.Error (``.field`` names the argument) before anything is written.
+    The cache's lengths and block table are the engine's to update afterwards.
+    """
+    items = _items(seqs, budgets, history_tokens, query_slots, cache)
+    if cache.device is None:
+        out = _core.host_compress(
+            policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or 0, return_masks, return_scores
+        )
+        return CompressResult(**{name: host_result(a, cache.framework) for name, a in out.items()})
+
+    h = stream_handle(stream, cache.framework, cache.device)
+    width = max_tokens or cache.max_tokens
+    # Sizing runs every host-side check (shapes, layers, policy) before any allocation.
+    need = _core.device_workspace_bytes(
+        policy, cache, items, queries, scores, layer_begin, layer_count, width, return_masks
+    )
+    alloc = DeviceAllocator(cache.framework, cache.device, h)
+    n = int(items.shape[0])
+    rows = (n, layer_count or cache.num_layers - layer_begin, cache.num_kv_heads)
+    out = {
+        "status": alloc.empty((8,), "int32"),
+        "new_lengths": alloc.empty((n,), "int32"),
+        "released_counts": alloc.empty((n,), "int32"),
+        "released_blocks": alloc.empty((n, -(-width // cache.block_size)), "int32"),
+        "kept_counts": alloc.empty(rows, "int32"),
+        "nonfinite_scores": alloc.empty((n,), "int32"),
+        "keep_masks": alloc.empty(rows + (width,), "uint8") if return_masks else None,
+        "scores": alloc.empty(rows + (width,), "float32") if return_scores else None,
+    }
+    if workspace is None:
+        workspace = alloc.empty((need,), "uint8")
+    _core.device_compress(
+        policy, cache, items, queries, scores, layer_begin, layer_count, width, out, workspace, h, check
+    )
+    return CompressResult(**out, stream=h)
+
+
+def workspace_bytes(
+    policy,
+    cache: _core.PagedCache,
+    *,
+    num_items: int,
+    queries=None,
+    scores=None,
+    layer_begin: int = 0,
+    layer_count: int = 0,
+    max_tokens: Optional[int] = None,
+    return_masks: bool = False,
+) -> int:
+    """Bytes of ``workspace`` a device ``compress`` of ``num_items`` items needs (host: 0).
+
+    Allocate it once for the largest batch and pass it to every call (and to a captured
+    one: the graph then reads the same buffer on each replay).
+    """
+    if cache.device is None:
+        return 0
+    items = np.zeros((num_items, 4), dtype=np.int32)
+    return _core.device_workspace_bytes(
+        policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or cache.max_tokens, return_masks
+    )

@@ -1,0 +1,27 @@
+// The policies the package exposes: the six presets, as one value type. Plain C++
+// (no nanobind), so the nvcc-compiled device path and the bindings share it.
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+#include <variant>
+
+#include <kvpolicy/pipeline/presets.hpp>
+
+namespace kvpy {
+
+using policy = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::presets::gkv, kvp::presets::snapkv,
+                            kvp::presets::h2o, kvp::presets::streaming_llm>;
+
+// The preset's name as kvp::presets spells it ("zipage", "streaming_llm").
+template <class P>
+constexpr std::string_view preset_name() noexcept {
+  if constexpr (std::is_same_v<P, kvp::presets::zipage>) return "zipage";
+  else if constexpr (std::is_same_v<P, kvp::presets::rkv>) return "rkv";
+  else if constexpr (std::is_same_v<P, kvp::presets::gkv>) return "gkv";
+  else if constexpr (std::is_same_v<P, kvp::presets::snapkv>) return "snapkv";
+  else if constexpr (std::is_same_v<P, kvp::presets::h2o>) return "h2o";
+  else return "streaming_llm";
+}
+
+}  // namespace kvpy

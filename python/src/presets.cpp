@@ -1,0 +1,276 @@
+#include "presets.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <kvpolicy/core/error.hpp>
+#include <nanobind/stl/string.h>
+
+#include "policy.hpp"
+
+namespace nb = nanobind;
+
+namespace kvpy {
+namespace {
+
+// One keyword of a preset: a Python value read from or written to one or more of
+// the preset's fields. Knobs are applied in table order, whatever the order of the
+// keywords, so a general one (`window`: scorer and protect) comes before a specific
+// one (`protect_window`) and the specific one wins.
+template <class P>
+struct knob {
+  const char* name;
+  const char* doc;
+  std::function<nb::object(const P&)> get;
+  std::function<void(P&, nb::handle)> set;
+};
+
+std::int32_t to_int(nb::handle v, const char* name) {
+  kvp::require(PyLong_Check(v.ptr()) && !PyBool_Check(v.ptr()), name, "is {}; expected an int",
+               nb::repr(v).c_str());
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  kvp::require(overflow == 0 && x >= INT32_MIN && x <= INT32_MAX, name, "is {}; out of the int32 range",
+               nb::repr(v).c_str());
+  return static_cast<std::int32_t>(x);
+}
+float to_float(nb::handle v, const char* name) {
+  kvp::require((PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())) && !PyBool_Check(v.ptr()), name,
+               "is {}; expected a float", nb::repr(v).c_str());
+  return static_cast<float>(PyFloat_AsDouble(v.ptr()));
+}
+bool to_bool(nb::handle v, const char* name) {
+  kvp::require(PyBool_Check(v.ptr()), name, "is {}; expected True or False", nb::repr(v).c_str());
+  return v.ptr() == Py_True;
+}
+
+// An enum field spelled as strings in Python.
+template <class E>
+struct spelling {
+  const char* text;
+  E value;
+};
+template <class E, std::size_t N>
+E to_enum(nb::handle v, const char* name, const spelling<E> (&table)[N]) {
+  std::string choices;
+  for (const auto& s : table) choices += (choices.empty() ? "'" : ", '") + std::string(s.text) + "'";
+  kvp::require(PyUnicode_Check(v.ptr()), name, "is {}; expected one of {}", nb::repr(v).c_str(), choices);
+  const std::string text = nb::cast<std::string>(v);
+  for (const auto& s : table)
+    if (text == s.text) return s.value;
+  kvp::require(false, name, "is '{}'; expected one of {}", text, choices);
+  return table[0].value;
+}
+template <class E, std::size_t N>
+nb::object from_enum(E e, const spelling<E> (&table)[N]) {
+  for (const auto& s : table)
+    if (s.value == e) return nb::str(s.text);
+  return nb::none();
+}
+
+constexpr spelling<kvp::group_reduce> group_names[] = {{"max", kvp::group_reduce::max},
+                                                       {"mean", kvp::group_reduce::mean},
+                                                       {"sum", kvp::group_reduce::sum},
+                                                       {"max_logits", kvp::group_reduce::max_logits}};
+constexpr spelling<kvp::window_reduce> reduce_names[] = {{"mean", kvp::window_reduce::mean},
+                                                         {"sum", kvp::window_reduce::sum}};
+constexpr spelling<kvp::aggregate::global_mode> global_names[] = {{"max", kvp::aggregate::global_mode::max},
+                                                                  {"sum", kvp::aggregate::global_mode::sum},
+                                                                  {"mean", kvp::aggregate::global_mode::mean}};
+constexpr spelling<kvp::aggregate::pool_mode> pool_names[] = {{"max", kvp::aggregate::pool_mode::max},
+                                                              {"avg", kvp::aggregate::pool_mode::avg}};
+constexpr spelling<kvp::redundancy::combine_form> form_names[] = {
+    {"weighted", kvp::redundancy::combine_form::weighted}, {"subtract", kvp::redundancy::combine_form::subtract}};
+
+// Knob makers over a field reached by `at(p)`.
+template <class P, class At>
+knob<P> int_knob(const char* name, const char* doc, At at) {
+  return {name, doc, [at](const P& p) { return nb::int_(at(const_cast<P&>(p))); },
+          [at, name](P& p, nb::handle v) { at(p) = to_int(v, name); }};
+}
+// The float32 field as the shortest decimal that reads back as it (0.8, not
+// 0.800000011920929): what repr() and params() show round-trips exactly.
+nb::float_ shortest(float f) { return nb::float_(std::stod(kvp::detail::format("{}", f))); }
+
+template <class P, class At>
+knob<P> float_knob(const char* name, const char* doc, At at) {
+  return {name, doc, [at](const P& p) { return shortest(at(const_cast<P&>(p))); },
+          [at, name](P& p, nb::handle v) { at(p) = to_float(v, name); }};
+}
+template <class P, class At>
+knob<P> bool_knob(const char* name, const char* doc, At at) {
+  return {name, doc, [at](const P& p) { return nb::bool_(at(const_cast<P&>(p))); },
+          [at, name](P& p, nb::handle v) { at(p) = to_bool(v, name); }};
+}
+template <class P, class E, std::size_t N, class At>
+knob<P> enum_knob(const char* name, const char* doc, const spelling<E> (&table)[N], At at) {
+  return {name, doc, [at, &table](const P& p) { return from_enum(at(const_cast<P&>(p)), table); },
+          [at, name, &table](P& p, nb::handle v) { at(p) = to_enum(v, name, table); }};
+}
+
+// The window attention scorer and the protected tokens (every scored preset).
+template <class P>
+void scorer_knobs(std::vector<knob<P>>& k) {
+  k.push_back({"window", "observation window: queries scored (scorer.window) and tokens protected (protect.window)",
+               [](const P& p) { return nb::int_(p.scorer.window); },
+               [](P& p, nb::handle v) { p.scorer.window = p.protect.window = to_int(v, "window"); }});
+  k.push_back(int_knob<P>("protect_window", "the newest tokens always kept (protect.window)",
+                          [](P& p) -> auto& { return p.protect.window; }));
+  k.push_back(int_knob<P>("sinks", "the first tokens always kept (protect.sinks)",
+                          [](P& p) -> auto& { return p.protect.sinks; }));
+  k.push_back(enum_knob<P>("group", "reduction over a KV head's query heads (scorer.group)", group_names,
+                           [](P& p) -> auto& { return p.scorer.group; }));
+  k.push_back(enum_knob<P>("reduce", "reduction over the window's queries (scorer.reduce)", reduce_names,
+                           [](P& p) -> auto& { return p.scorer.reduce; }));
+  k.push_back(bool_knob<P>("causal", "mask keys after each window query (scorer.causal)",
+                           [](P& p) -> auto& { return p.scorer.causal; }));
+  k.push_back(bool_knob<P>("keys_before_window", "score only the keys before the window (scorer.keys_before_window)",
+                           [](P& p) -> auto& { return p.scorer.keys_before_window; }));
+}
+template <class P, class At>
+void global_score_knobs(std::vector<knob<P>>& k, At at) {
+  k.push_back(enum_knob<P>("score_mode", "how F's history combines with the new score (global_score.mode)",
+                           global_names, [at](P& p) -> auto& { return at(p).mode; }));
+  k.push_back(float_knob<P>("alpha", "decay of F's history (global_score.alpha)",
+                            [at](P& p) -> auto& { return at(p).alpha; }));
+  k.push_back(bool_knob<P>("max_norm", "divide scores by their row maximum first (global_score.max_norm)",
+                           [at](P& p) -> auto& { return at(p).max_norm; }));
+}
+template <class P, class At>
+void pool_knobs(std::vector<knob<P>>& k, At at) {
+  k.push_back(enum_knob<P>("pool", "pooling along the tokens (pool.mode)", pool_names,
+                           [at](P& p) -> auto& { return at(p).mode; }));
+  k.push_back(int_knob<P>("kernel", "pooling kernel, odd (pool.kernel)", [at](P& p) -> auto& { return at(p).kernel; }));
+  k.push_back(bool_knob<P>("first_only", "pool only on a sequence's first compression (pool.first_only)",
+                           [at](P& p) -> auto& { return at(p).first_only; }));
+}
+template <class P>
+void redundancy_knobs(std::vector<knob<P>>& k) {
+  k.push_back(float_knob<P>("theta", "cosine above which two keys are near-duplicates (redundancy.theta)",
+                            [](P& p) -> auto& { return p.redundancy.theta; }));
+  k.push_back(float_knob<P>("tau", "softmax temperature of the redundancy (redundancy.tau)",
+                            [](P& p) -> auto& { return p.redundancy.tau; }));
+  k.push_back(float_knob<P>("lambda_", "weight of the score against the redundancy (redundancy.lambda)",
+                            [](P& p) -> auto& { return p.redundancy.lambda; }));
+  k.push_back(float_knob<P>("eps", "added to key norms (redundancy.eps)", [](P& p) -> auto& { return p.redundancy.eps; }));
+  k.push_back(enum_knob<P>("form", "'weighted': lambda S - (1 - lambda) R; 'subtract': S - lambda R (redundancy.form)",
+                           form_names, [](P& p) -> auto& { return p.redundancy.form; }));
+}
+
+template <class P>
+std::vector<knob<P>> knobs_of() {
+  using namespace kvp::presets;
+  std::vector<knob<P>> k;
+  if constexpr (std::is_same_v<P, streaming_llm>) {
+    k.push_back({"sinks", "the first tokens kept (select.sinks and protect.sinks)",
+                 [](const P& p) { return nb::int_(p.select.sinks); },
+                 [](P& p, nb::handle v) { p.select.sinks = p.protect.sinks = to_int(v, "sinks"); }});
+    k.push_back(int_knob<P>("window", "the newest tokens always kept (protect.window)",
+                            [](P& p) -> auto& { return p.protect.window; }));
+  } else {
+    scorer_knobs(k);
+    if constexpr (std::is_same_v<P, zipage>) {
+      global_score_knobs(k, [](P& p) -> auto& { return p.aggregate.first; });
+      pool_knobs(k, [](P& p) -> auto& { return p.aggregate.second; });
+      redundancy_knobs(k);
+    } else if constexpr (std::is_same_v<P, rkv>) {
+      pool_knobs(k, [](P& p) -> auto& { return p.aggregate; });
+      redundancy_knobs(k);
+    } else if constexpr (std::is_same_v<P, gkv>) {
+      global_score_knobs(k, [](P& p) -> auto& { return p.aggregate; });
+      redundancy_knobs(k);
+    } else if constexpr (std::is_same_v<P, snapkv>) {
+      pool_knobs(k, [](P& p) -> auto& { return p.aggregate; });
+    }
+    // h2o: accumulate has no parameter.
+  }
+  return k;
+}
+
+template <class P>
+void bind_preset(nb::module_& m, const char* py_name, const char* doc) {
+  static const std::vector<knob<P>> knobs = knobs_of<P>();
+  std::string full_doc = std::string(doc) + "\n\nKeywords (each also a read-write attribute):\n";
+  for (const auto& k : knobs) full_doc += std::string("  ") + k.name + ": " + k.doc + "\n";
+
+  auto cls = nb::class_<P>(m, py_name, nb::is_final());
+  cls.doc() = nb::str(full_doc.c_str());
+  cls.def(
+      "__init__",
+      [py_name](P* self, nb::kwargs kwargs) {
+        new (self) P();
+        for (auto [key, value] : kwargs) {
+          const std::string name = nb::cast<std::string>(key);
+          bool known = false;
+          for (const auto& k : knobs) known = known || name == k.name;
+          if (!known) {
+            std::string names;
+            for (const auto& k : knobs) names += (names.empty() ? "" : ", ") + std::string(k.name);
+            throw nb::type_error((std::string(py_name) + "() got an unexpected keyword argument '" + name +
+                                  "'; its keywords are: " + names)
+                                     .c_str());
+          }
+        }
+        for (const auto& k : knobs)
+          if (kwargs.contains(k.name)) k.set(*self, kwargs[k.name]);
+      },
+      "Defaults are the preset's published parameters; each keyword overrides one.");
+  for (const auto& k : knobs) {
+    cls.def_prop_rw(
+        k.name, [&k](const P& p) { return k.get(p); }, [&k](P& p, nb::handle v) { k.set(p, v); }, k.doc);
+  }
+  cls.def_prop_ro_static("name", [](nb::handle) { return std::string(preset_name<P>()); },
+                         "the preset's name in kvp::presets");
+  cls.def(
+      "params",
+      [](const P& p) {
+        nb::dict d;
+        for (const auto& k : knobs) d[k.name] = k.get(p);
+        return d;
+      },
+      "Every keyword's current value: type(p)(**p.params()) is an equal policy.");
+  cls.def("__repr__", [py_name](const P& p) {
+    std::string s = std::string(py_name) + "(";
+    bool first = true;
+    for (const auto& k : knobs) {
+      s += (first ? "" : ", ") + std::string(k.name) + "=" + nb::cast<std::string>(nb::repr(k.get(p)));
+      first = false;
+    }
+    return s + ")";
+  });
+  cls.def("__eq__", [](const P& a, nb::handle b) {
+    if (!nb::isinstance<P>(b)) return false;
+    const P& other = nb::cast<const P&>(b);
+    for (const auto& k : knobs)
+      if (!k.get(a).equal(k.get(other))) return false;
+    return true;
+  });
+  cls.def("__copy__", [](const P& p) { return P(p); });
+  cls.def("__deepcopy__", [](const P& p, nb::handle) { return P(p); });
+}
+
+}  // namespace
+
+void register_presets(nb::module_& m) {
+  bind_preset<kvp::presets::zipage>(
+      m, "Zipage",
+      "Zipage: window attention (group max, window mean, w 16) -> global score (max, alpha 0.8) -> max pool 5 on "
+      "the first compression -> lightning redundancy (tau 0.4, lambda 0.2) -> top-k -> compact.");
+  bind_preset<kvp::presets::rkv>(m, "RKV",
+                                 "R-KV: window attention over the keys before the window (group max_logits, mean, w "
+                                 "8) -> max pool 7 -> full redundancy (tau 1, lambda 0.1) -> top-k -> compact.");
+  bind_preset<kvp::presets::gkv>(m, "GKV",
+                                 "G-KV: window attention (group max, mean, w 16) -> global score (max, alpha 0.8, "
+                                 "max-normalised) -> full redundancy (lambda 0.5) -> top-k -> compact.");
+  bind_preset<kvp::presets::snapkv>(
+      m, "SnapKV", "SnapKV: window attention (group mean, window sum, w 32) -> max pool 7 -> top-k -> compact.");
+  bind_preset<kvp::presets::h2o>(
+      m, "H2O", "H2O: window attention summed over the window (w 16) -> accumulated in F -> top-k -> compact.");
+  bind_preset<kvp::presets::streaming_llm>(
+      m, "StreamingLLM", "StreamingLLM: no scores; keeps the first `sinks` tokens and the most recent ones -> compact.");
+}
+
+}  // namespace kvpy
