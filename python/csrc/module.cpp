@@ -1,4 +1,4 @@
-// kvpolicy._core: the compiled half of the kvpolicy package (kvpolicy/__init__.py is
+// kvpolicy._core: the compiled half of the kvpolicy package (src/kvpolicy/__init__.py is
 // the API). Each register_* binds one part.
 #include <nanobind/nanobind.h>
 

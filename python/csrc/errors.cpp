@@ -11,7 +11,7 @@ namespace kvpy {
 
 void register_errors(nb::module_& m) {
   // The class lives in Python (a ValueError subclass with a docstring and .field);
-  // kvpolicy/__init__.py imports kvpolicy.errors before this module.
+  // src/kvpolicy/__init__.py imports kvpolicy.errors before this module.
   nb::object cls = nb::module_::import_("kvpolicy.errors").attr("Error");
   m.attr("Error") = cls;
   nb::register_exception_translator(

@@ -12,7 +12,7 @@ from ._frameworks import DeviceAllocator, host_result, is_device_array
 from ._streams import stream_handle
 from .errors import Error
 
-# The four columns of a batch item, in kvp::batch_item's memory order (src/items.hpp
+# The four columns of a batch item, in kvp::batch_item's memory order (csrc/items.hpp
 # asserts it): one int32 row per item.
 _ITEM_COLUMNS = ("seq", "query_slot", "budget", "history_tokens")
 
@@ -181,6 +181,41 @@ def compress(
     The cache's lengths and block table are the engine's to update afterwards.
     """
     items = _items(seqs, budgets, history_tokens, query_slots, cache)
+    return run(
+        policy,
+        cache,
+        items,
+        queries=queries,
+        scores=scores,
+        layer_begin=layer_begin,
+        layer_count=layer_count,
+        max_tokens=max_tokens,
+        return_masks=return_masks,
+        return_scores=return_scores,
+        stream=stream,
+        workspace=workspace,
+        check=check,
+    )
+
+
+def run(
+    policy,
+    cache: _core.PagedCache,
+    items,
+    *,
+    queries=None,
+    scores=None,
+    layer_begin: int = 0,
+    layer_count: int = 0,
+    max_tokens: Optional[int] = None,
+    return_masks: bool = False,
+    return_scores: bool = False,
+    stream=None,
+    workspace=None,
+    check: bool = True,
+) -> CompressResult:
+    """``compress`` with the items as one int32 array [n, 4] of rows (seq, query_slot,
+    budget, history_tokens), host or device: what the torch op passes."""
     if cache.device is None:
         out = _core.host_compress(
             policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or 0, return_masks, return_scores

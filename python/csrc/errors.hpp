@@ -5,7 +5,7 @@
 
 namespace kvpy {
 
-// Binds kvpolicy.Error (defined in kvpolicy/errors.py) as `m.Error` and translates
+// Binds kvpolicy.Error (defined in src/kvpolicy/errors.py) as `m.Error` and translates
 // every kvp::error thrown below a binding into it, its field as `.field`.
 void register_errors(nanobind::module_& m);
 

@@ -1,0 +1,191 @@
+"""kvpolicy.compress as a PyTorch custom op, ``torch.ops.kvpolicy.compress``.
+
+Importing this module registers the op (PyTorch needed). It compresses the cache
+tensors in place (declared as mutated, so functionalization and torch.compile see
+the writes), has a fake implementation (shapes only, for tracing), and on CUDA runs
+on the current stream without waiting for it, so it can be captured into a CUDA
+graph. ``compress`` below is the call to use; the op's schema takes only tensors,
+ints, bools and strings (the policy travels as its JSON spec).
+
+    import kvpolicy, kvpolicy.torch_ops as ops
+    r = ops.compress(kvpolicy.SnapKV(), "vllm_flash", kv=layers, block_table=bt, lengths=lens,
+                     seqs=torch.tensor([0, 2]), budgets=256, queries=q)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _core
+from .compress import CompressResult, run
+
+_OUTPUTS = ("status", "new_lengths", "released_counts", "released_blocks", "kept_counts", "nonfinite_scores", "keep_masks")
+
+
+def policy_spec(policy) -> str:
+    """The policy as the op's string argument: its preset name and every parameter."""
+    return json.dumps([policy.name, policy.params()], sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _policy(spec: str):
+    import kvpolicy
+
+    name, params = json.loads(spec)
+    return kvpolicy.preset(name, **params)
+
+
+def _cache_arg(layout: str, tensors: List[Tensor]):
+    """The op's tensor list as PagedCache takes it: one tensor, or the per-layer list."""
+    axes, _, per_layer, _ = _core.LAYOUTS[layout]
+    if not per_layer or (len(tensors) == 1 and tensors[0].dim() == len(axes) + 1):
+        return tensors[0]
+    return list(tensors)
+
+
+def _sizes(layout: str, tensors: List[Tensor]):
+    """(layers, block_size, KV heads) read off the cache tensors' shapes."""
+    axes, _, per_layer, _ = _core.LAYOUTS[layout]
+    t = tensors[0]
+    if per_layer and t.dim() == len(axes) + 1:
+        axes, layers = "L" + axes, t.shape[0]
+    elif per_layer:
+        layers = len(tensors)
+    else:
+        layers = t.shape[axes.index("L")]
+    block = t.shape[axes.index("T")] if "T" in axes else 1
+    return layers, block, t.shape[axes.index("H")]
+
+
+@torch.library.custom_op("kvpolicy::compress", mutates_args=("kv", "k", "v", "scores", "positions"))
+def _compress_op(
+    policy: str,
+    layout: str,
+    kv: List[Tensor],
+    k: List[Tensor],
+    v: List[Tensor],
+    block_table: Optional[Tensor],
+    block_indptr: Optional[Tensor],
+    block_indices: Optional[Tensor],
+    lengths: Tensor,
+    queries: Optional[Tensor],
+    scores: Optional[Tensor],
+    positions: Optional[Tensor],
+    items: Tensor,
+    layer_begin: int,
+    layer_count: int,
+    max_tokens: int,
+    return_masks: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    split = bool(k)
+    cache = _core.PagedCache(
+        layout,
+        None if split else _cache_arg(layout, kv),
+        k=_cache_arg(layout, k) if split else None,
+        v=_cache_arg(layout, v) if split else None,
+        block_table=block_table,
+        block_indptr=block_indptr,
+        block_indices=block_indices,
+        lengths=lengths,
+        positions=positions,
+    )
+    r = run(
+        _policy(policy),
+        cache,
+        items.contiguous(),
+        queries=queries,
+        scores=scores,
+        layer_begin=layer_begin,
+        layer_count=layer_count,
+        max_tokens=max_tokens,
+        return_masks=return_masks,
+        check=False,
+    )
+    device = (k or kv)[0].device
+    status = r.status if r.status is not None else torch.zeros(8, dtype=torch.int32, device=device)
+    masks = r.keep_masks if r.keep_masks is not None else torch.empty(0, dtype=torch.uint8, device=device)
+    return status, r.new_lengths, r.released_counts, r.released_blocks, r.kept_counts, r.nonfinite_scores, masks
+
+
+@_compress_op.register_fake
+def _(policy, layout, kv, k, v, block_table, block_indptr, block_indices, lengths, queries, scores, positions, items,
+      layer_begin, layer_count, max_tokens, return_masks):
+    tensors = k or kv
+    layers, block, heads = _sizes(layout, tensors)
+    n, rows = items.shape[0], layer_count or layers - layer_begin
+    device = tensors[0].device
+
+    def empty(*shape, dtype=torch.int32):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    masks = empty(n, rows, heads, max_tokens, dtype=torch.uint8) if return_masks else empty(0, dtype=torch.uint8)
+    return (empty(8), empty(n), empty(n), empty(n, -(-max_tokens // block)), empty(n, rows, heads), empty(n), masks)
+
+
+def compress(
+    policy,
+    layout: str,
+    *,
+    kv=None,
+    k=None,
+    v=None,
+    block_table: Optional[Tensor] = None,
+    block_indptr: Optional[Tensor] = None,
+    block_indices: Optional[Tensor] = None,
+    lengths: Tensor,
+    seqs,
+    budgets,
+    history_tokens=0,
+    query_slots=None,
+    queries: Optional[Tensor] = None,
+    scores: Optional[Tensor] = None,
+    positions: Optional[Tensor] = None,
+    layer_begin: int = 0,
+    layer_count: int = 0,
+    max_tokens: Optional[int] = None,
+    return_masks: bool = False,
+) -> CompressResult:
+    """``kvpolicy.compress`` through ``torch.ops.kvpolicy.compress``, on the cache tensors
+    themselves (arguments as ``kvpolicy.PagedCache`` and ``kvpolicy.compress`` take them).
+
+    Traceable by torch.compile and capturable in a CUDA graph: it never waits for the
+    device, so device-side validation errors are in ``result.status`` (``result.check()``).
+    """
+
+    def listed(x):
+        return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+    tensors = listed(k) or listed(kv)
+    if not tensors:
+        raise ValueError("kvpolicy.torch_ops.compress: pass the cache as kv=..., or as k=... and v=...")
+    device = tensors[0].device
+    seq = torch.as_tensor(seqs, dtype=torch.int32).reshape(-1)
+    on = seq.device if seq.device.type != "cpu" else torch.device("cpu")
+    n = seq.shape[0]
+
+    def col(x):
+        return torch.as_tensor(x, dtype=torch.int32, device=on).expand(n)
+
+    items = torch.stack(
+        [col(seq), col(seq if query_slots is None else query_slots), col(budgets), col(history_tokens)], dim=1
+    ).contiguous()
+    _, block, _ = _sizes(layout, tensors)
+    if max_tokens is None:
+        room = block_table.shape[1] if block_table is not None else block_indices.shape[0]
+        max_tokens = int(room) * block
+    out = torch.ops.kvpolicy.compress(
+        policy_spec(policy), layout, listed(kv), listed(k), listed(v), block_table, block_indptr, block_indices,
+        lengths, queries, scores, positions, items, layer_begin, layer_count, max_tokens, return_masks,
+    )
+    fields = dict(zip(_OUTPUTS, out))
+    if not return_masks:
+        fields["keep_masks"] = None
+    if device.type == "cuda":
+        return CompressResult(**fields, stream=int(torch.cuda.current_stream(device).cuda_stream))
+    fields["status"] = None
+    return CompressResult(**fields)

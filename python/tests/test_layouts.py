@@ -1,0 +1,127 @@
+"""Layouts by name: the view read off the tensors is the library's (docs/views.md),
+and one compression gives the same result in every layout."""
+
+import numpy as np
+import pytest
+
+import kvpolicy
+from checks import check_moved
+from paged_case import make_case
+
+LAYOUTS = sorted(kvpolicy.LAYOUTS)
+
+
+def expected_view(layout, L, NB, b, h, d):
+    """docs/views.md's table: K and V strides (block, token, head, dim) in elements, and
+    each layer's K and V start in elements from the first tensor's start (layer l's own
+    tensor for per-layer layouts)."""
+    E = b * h * d
+    nhd, hnd = (E, h * d, d, 1), (E, d, b * d, 1)
+    return {
+        "vllm_flash": (nhd, lambda l: 0, lambda l: NB * E),
+        "vllm_flash_blocks_first": ((2 * E, h * d, d, 1), lambda l: 0, lambda l: E),
+        "nhd": (nhd, lambda l: 0, lambda l: 0),
+        "hnd": (hnd, lambda l: 0, lambda l: 0),
+        "nano_vllm": (nhd, lambda l: l * NB * E, lambda l: (L + l) * NB * E),
+        "sglang": ((h * d, h * d, d, 1), lambda l: 0, lambda l: 0),
+        "trtllm_blocks_first": ((2 * L * E, d, b * d, 1), lambda l: 2 * l * E, lambda l: (2 * l + 1) * E),
+        "trtllm_layers_first": ((2 * E, d, b * d, 1), lambda l: 0, lambda l: E),
+    }[layout]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_view_matches_the_documented_constructor(layout):
+    b = 1 if layout == "sglang" else 4
+    case = make_case(block_size=b, lengths=(9, 6), layers=3)
+    cache, args = case.cache(layout)
+    L, NB, _, h, d = case.kv.shape[1:6]
+    strides, k_at, v_at = expected_view(layout, L, NB, b, h, d)
+    view = cache.describe()
+    assert view["k_stride"] == strides and view["v_stride"] == strides
+    assert (cache.num_layers, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim) == (L, NB, b, h, d)
+    _, split, per_layer, _ = kvpolicy.LAYOUTS[layout]
+    size = case.kv.itemsize
+    for l in range(L):
+        k_tensor = (args["k"] if split else args["kv"])
+        v_tensor = args["v"] if split else args["kv"]
+        k_base = (k_tensor[l] if per_layer else k_tensor).ctypes.data
+        v_base = (v_tensor[l] if per_layer else v_tensor).ctypes.data
+        assert view["k_layers"][l] == k_base + k_at(l) * size
+        assert view["v_layers"][l] == v_base + v_at(l) * size
+
+
+def compress_in(layout, stacked=False, **kw):
+    b = 1 if layout == "sglang" else 4
+    case = make_case(block_size=b, lengths=(40, 0, 33), window=8, seed=11)
+    cache, args = case.cache(layout, stacked=stacked, **kw)
+    before = case.canonical(layout, {k: (np.copy(v) if not isinstance(v, list) else [x.copy() for x in v])
+                                     for k, v in args.items()})
+    r = kvpolicy.compress(kvpolicy.SnapKV(window=8), cache, seqs=[0, 2], budgets=[24, 16], queries=case.queries,
+                          return_masks=True)
+    after = case.canonical(layout, args)
+    check_moved(case, before, after, [0, 2], case.lengths, r)
+    return r, after
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_compresses_alike(layout):
+    r, after = compress_in(layout)
+    reference_layout = "sglang" if layout == "sglang" else "nano_vllm"  # same block size
+    r0, after0 = compress_in(reference_layout)
+    np.testing.assert_array_equal(r.keep_masks, r0.keep_masks)
+    np.testing.assert_array_equal(r.new_lengths, r0.new_lengths)
+    np.testing.assert_array_equal(after, after0)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if kvpolicy.LAYOUTS[name][2]])
+def test_a_stacked_tensor_is_its_list_of_layers(layout):
+    r, after = compress_in(layout, stacked=True)
+    r0, after0 = compress_in(layout)
+    np.testing.assert_array_equal(r.keep_masks, r0.keep_masks)
+    np.testing.assert_array_equal(after, after0)
+
+
+def test_csr_table_is_the_dense_one():
+    case = make_case(lengths=(40, 0, 33), window=8, seed=12)
+    lengths = case.lengths
+    blocks = [case.block_table[s, : -(-n // 4)] for s, n in enumerate(lengths)]
+    indptr = np.concatenate([[0], np.cumsum([len(x) for x in blocks])]).astype(np.int32)
+    indices = np.concatenate(blocks).astype(np.int32)
+    kv = case.tensors("nano_vllm")["kv"]
+    dense = kvpolicy.PagedCache("nano_vllm", kv.copy(), block_table=case.block_table, lengths=lengths)
+    csr = kvpolicy.PagedCache("nano_vllm", kv, block_indptr=indptr, block_indices=indices, lengths=lengths)
+    assert csr.describe()["csr"] and not dense.describe()["csr"]
+    p = kvpolicy.SnapKV(window=8)
+    a = kvpolicy.compress(p, dense, seqs=[0, 2], budgets=20, queries=case.queries, return_masks=True)
+    b = kvpolicy.compress(p, csr, seqs=[0, 2], budgets=20, queries=case.queries, return_masks=True, max_tokens=40)
+    np.testing.assert_array_equal(a.keep_masks, b.keep_masks)
+
+
+def test_strided_views_are_read_in_place():
+    # vLLM may allocate [num_blocks, 2, b, h, d] and hand out its [2, num_blocks, ...]
+    # view: vllm_flash reads that view's strides, no copy.
+    case = make_case(lengths=(40, 33), window=8, seed=13)
+    blocks_first = case.tensors("vllm_flash_blocks_first")["kv"]
+    before = case.canonical("vllm_flash_blocks_first", {"kv": [x.copy() for x in blocks_first]})
+    as_flash = [x.transpose(1, 0, 2, 3, 4) for x in blocks_first]
+    assert not as_flash[0].flags.c_contiguous
+    cache = kvpolicy.PagedCache("vllm_flash", as_flash, block_table=case.block_table, lengths=case.lengths)
+    view = cache.describe()
+    assert view["v_layers"][0] - view["k_layers"][0] == as_flash[0].strides[0]
+    r = kvpolicy.compress(kvpolicy.SnapKV(window=8), cache, seqs=[0, 1], budgets=20, queries=case.queries,
+                          return_masks=True)
+    after = case.canonical("vllm_flash_blocks_first", {"kv": blocks_first})
+    check_moved(case, before, after, [0, 1], case.lengths, r)
+
+
+def test_one_kv_head_with_arbitrary_size_one_strides():
+    case = make_case(kv_heads=1, q_heads=2, lengths=(40, 33), window=8, seed=14)
+    k = case.kv[0].transpose(0, 1, 2, 3, 4)  # [L, NB, b, 1, d]
+    v = case.kv[1]
+    # A size-1 head axis whose stride says nothing (as after a broadcast or unsqueeze).
+    k_odd = np.lib.stride_tricks.as_strided(k.copy(), strides=k.strides[:3] + (4,) + k.strides[4:])
+    cache = kvpolicy.PagedCache("nhd", k=list(k_odd), v=list(v.copy()), block_table=case.block_table,
+                                lengths=case.lengths)
+    assert cache.describe()["k_stride"][2] >= cache.head_dim
+    r = kvpolicy.compress(kvpolicy.SnapKV(window=8), cache, seqs=[0], budgets=20, queries=case.queries)
+    assert r.new_lengths.tolist() == [20]
