@@ -1,10 +1,11 @@
-"""The one place the harness compresses: `compress(preset, cache, items)`.
+"""The one place the harness compresses: `compress(preset, cache, items)`, through the
+`kvpolicy` Python package (python/, the C++ host executor on NumPy arrays).
 
-DEVELOPMENT STAND-IN. The `kvpolicy` Python package (issue 35 part 1) does not exist
-yet; until it does, `_dev_fallback` below keeps the harness runnable end to end. It is
-NOT any of the presets (it ranks every preset's tokens by the mean attention of the
-last 16 queries and keeps the top `budget`, protecting the last 16): its numbers mean
-nothing and the report refuses to publish them. It will be replaced by the package.
+Every array is the harness's own and is handed over by DLPack with no copy: the K/V
+tensor in the nano_vllm layout, the block table, the lengths, the positions, F and the
+query window (a strided view). The package moves the kept tokens (their K, V, F and
+positions) in place and returns the new lengths and released blocks; updating the
+lengths, the table and the free list is the engine's part (PagedCache.release).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import dataclasses
 
 import numpy as np
 
+import kvpolicy
 from paged_cache import PagedCache
 
 PRESETS = ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm")
+BACKEND = f"kvpolicy {kvpolicy.__version__}"
 
 
 @dataclasses.dataclass
@@ -29,44 +32,23 @@ class Item:
 class ItemResult:
     new_length: int
     released_blocks: list[int]
-    keep_mask: np.ndarray  # [L, h_kv, T] uint8, T the length before compression
 
 
-BACKEND = "dev-fallback"
+_policies = {name: kvpolicy.preset(name) for name in PRESETS}  # published parameters
 
 
 def compress(preset: str, cache: PagedCache, items: list[Item]) -> list[ItemResult]:
-    """Compress `items` of `cache` in place with `preset`; lengths and tables are the caller's."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}")
-    return [_dev_fallback(cache, it) for it in items]
-
-
-def _dev_fallback(cache: PagedCache, it: Item) -> ItemResult:
-    c = cache.cfg
-    s, T, k = it.seq, int(cache.lengths[it.seq]), it.budget
-    w = 16
-    nb = -(-T // cache.b)
-    tbl = cache.block_table[s, :nb]
-    q = cache.ordered_queries([s])[:, 0, -w:]  # [L, w, hq, d]
-    masks = np.zeros((c.n_layers, c.n_kv_heads, T), dtype=np.uint8)
-    for l in range(c.n_layers):
-        K = cache.kv[0, l][tbl].reshape(nb * cache.b, c.n_kv_heads, c.head_dim)[:T]
-        for h in range(c.n_kv_heads):
-            qh = q[l, :, h * c.group : (h + 1) * c.group].reshape(-1, c.head_dim)
-            a = qh @ K[:, h].T / np.sqrt(c.head_dim)
-            a = np.exp(a - a.max(-1, keepdims=True))
-            score = (a / a.sum(-1, keepdims=True)).mean(0)
-            score[T - w :] = np.inf
-            keep = np.sort(np.argsort(-score, kind="stable")[:k])
-            masks[l, h, keep] = 1
-            for arr in (cache.kv[0, l], cache.kv[1, l]):
-                flat = arr[tbl].reshape(nb * cache.b, c.n_kv_heads, c.head_dim)
-                moved = flat[keep, h]
-                dst = np.arange(len(keep))
-                arr[tbl[dst // cache.b], dst % cache.b, h] = moved
-            pflat = cache.positions[l][tbl].reshape(nb * cache.b, c.n_kv_heads)
-            moved = pflat[keep, h]
-            cache.positions[l][tbl[np.arange(len(keep)) // cache.b], np.arange(len(keep)) % cache.b, h] = moved
-    keep_blocks = -(-k // cache.b)
-    return ItemResult(new_length=k, released_blocks=[int(x) for x in tbl[keep_blocks:]], keep_mask=masks)
+    """Compress `items` of `cache` in place with the named preset (one batch, one call)."""
+    view = kvpolicy.PagedCache(
+        "nano_vllm", cache.kv, block_table=cache.block_table, lengths=cache.lengths, positions=cache.positions
+    )
+    r = kvpolicy.compress(
+        _policies[preset],
+        view,
+        seqs=np.array([it.seq for it in items]),
+        budgets=np.array([it.budget for it in items]),
+        history_tokens=np.array([it.history_tokens for it in items]),
+        queries=cache.query_window(),  # slot s is sequence s
+        scores=cache.scores,
+    )
+    return [ItemResult(int(r.new_lengths[i]), [int(b) for b in r.released(i)]) for i in range(len(items))]

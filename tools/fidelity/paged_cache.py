@@ -5,8 +5,10 @@ What an engine holds, and what the presets read (docs/views.md):
 - `kv`: one float32 tensor `[2, L, num_blocks, b, h_kv, d]` (K then V), `layouts::nano_vllm`;
 - `block_table`: `[num_seqs, max_blocks]` int32, dense; `lengths`: `[num_seqs]` int32;
 - `queries`: the observation-query window `[L, slots, w, h_q, d]` (query_window_view), one
-  slot per sequence, kept as a ring indexed by position % w (the order the library wants,
-  oldest first, is produced by `ordered_queries` when a compression reads it);
+  slot per sequence. The library wants entry j to be the query of position T - w + j,
+  oldest first; rather than shifting the window every step, each query is written twice
+  into a ring of 2w entries (at p % w and p % w + w), so the last w queries are always the
+  contiguous slice `[(p + 1) % w, (p + 1) % w + w)`: `query_window()` is that view, no copy;
 - `scores`: the global score F, `[L, num_blocks, b, h_kv]` fp32 (score_view::contiguous);
 - `positions`: each cached token's original position, `[L, num_blocks, b, h_kv]` int32
   (position_view::contiguous), moved with its token by a compression.
@@ -37,7 +39,7 @@ class PagedCache:
         self.lengths = np.zeros(num_seqs, dtype=np.int32)
         self.held = np.zeros(num_seqs, dtype=np.int32)  # table entries in use
         self.next_pos = np.zeros(num_seqs, dtype=np.int64)  # original position of the next token
-        self.queries = np.zeros((L, num_seqs, window, hq, d), dtype=np.float32)
+        self.queries = np.zeros((L, num_seqs, 2 * window, hq, d), dtype=np.float32)
         self.scores = np.zeros((L, num_blocks, block_size, hk), dtype=np.float32)
         self.positions = np.zeros((L, num_blocks, block_size, hk), dtype=np.int32)
         # Free list, lowest id first, as a simple engine allocator would hand them out.
@@ -97,16 +99,21 @@ class PagedCache:
             self.next_pos[s] = P
             last = np.arange(max(0, P - self.window), P)
             self.queries[:, s, last % self.window] = q[:, last]
+            self.queries[:, s, last % self.window + self.window] = q[:, last]
 
-    # -- the ordered observation window for a compression ----------------------------
+    # -- the observation window for a compression -----------------------------------
 
-    def ordered_queries(self, seqs: list[int]) -> np.ndarray:
-        """[L, len(seqs), w, h_q, d], entry j the query of position T - w + j (oldest first)."""
-        out = np.empty((self.queries.shape[0], len(seqs)) + self.queries.shape[2:], dtype=np.float32)
-        for i, s in enumerate(seqs):
-            newest = int(self.next_pos[s] - 1)
-            out[:, i] = np.roll(self.queries[:, s], -((newest + 1) % self.window), axis=1)
-        return out
+    def query_window(self) -> np.ndarray:
+        """[L, slots, w, h_q, d] view, entry j of slot s the query of position T - w + j.
+
+        Every sequence decodes in step here (one token each per step), so they share the
+        position of their newest token and one slice serves every slot.
+        """
+        newest = self.next_pos - 1
+        if not (newest == newest[0]).all():
+            raise RuntimeError("sequences at different positions: one window slice cannot serve them all")
+        start = int(newest[0] + 1) % self.window
+        return self.queries[:, :, start : start + self.window]
 
     def snapshot(self) -> "PagedCache":
         return copy.deepcopy(self)
@@ -145,6 +152,7 @@ def decode_step(w: Weights, cache: PagedCache, tokens: np.ndarray) -> np.ndarray
         cache.kv[1, l, blk, slot] = v
         cache.positions[l, blk, slot] = pos[:, None]
         cache.queries[l, np.arange(S), ring] = q
+        cache.queries[l, np.arange(S), ring + cache.window] = q
         o = np.empty((S, hk, G, d), dtype=np.float32)
         kl, vl = cache.kv[0, l], cache.kv[1, l]
         for g in groups:

@@ -87,14 +87,19 @@ def test_gguf_rope_equals_hf_rope_on_unpermuted_weights():
     np.testing.assert_allclose(np.einsum("ihd,jhd->hij", q_g, k_g), np.einsum("ihd,jhd->hij", q_h, k_h), rtol=1e-4, atol=1e-3)
 
 
-def test_ordered_queries_oldest_first(weights):
+def test_query_window_oldest_first(weights, tokenizer):
+    """The window view holds the last w queries, oldest first, after prefill and decode steps."""
     cfg = weights.config
-    cache = PagedCache(cfg, 2, 4, 8, 2, 4)
-    cache.next_pos[:] = 10  # positions 6..9 are in the ring at 6 % 4 .. 9 % 4
-    for p in range(6, 10):
-        cache.queries[:, :, p % 4] = p
-    got = cache.ordered_queries([1])[0, 0, :, 0, 0]
-    assert got.tolist() == [6, 7, 8, 9]
+    ids = tokenizer.encode("One two three four five six seven eight nine ten").ids
+    _, k, v, q = model.prefill_dense(weights, np.array(ids))
+    cache = PagedCache(cfg, 2, 8, 4, 4, 4)
+    cache.fill_prompt(k[:, :-3], v[:, :-3], q[:, :-3])
+    np.testing.assert_array_equal(cache.query_window()[:, 1], q[:, -7:-3])
+    for t in ids[-3:]:
+        decode_step(weights, cache, np.full(2, t))
+    win = cache.query_window()
+    assert win.shape == (cfg.n_layers, 2, 4, cfg.n_heads, cfg.head_dim) and win.base is not None  # a view
+    np.testing.assert_allclose(win[:, 0], q[:, -4:], atol=1e-4)
 
 
 @pytest.mark.parametrize(

