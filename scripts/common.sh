@@ -1,4 +1,5 @@
-# Sourced by scripts/demo.sh and scripts/test.sh: repository root, build dir, nvcc.
+# Sourced by scripts/demo.sh and scripts/test.sh: repository root, build dir, nvcc,
+# and the Python package's host-only test.
 # shellcheck shell=bash
 
 KVP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,4 +16,24 @@ kvp_jobs() { nproc 2>/dev/null || echo 2; }
 kvp_configure() {
   "$KVP_ROOT/scripts/deps.sh"
   cmake -S . -B "$KVP_BUILD" "$@"
+}
+
+# The Python package (python/), host-only (no GPU here; python/scripts/gpu_check.sh
+# builds and tests its CUDA path on a GPU machine): pip builds it with its build
+# dependencies (scikit-build-core, nanobind) from PyPI, installs it with pytest and
+# numpy, and pytest runs python/tests. An interpreter that refuses pip installs
+# (PEP 668: Debian's own python3) gets a virtual environment in the build directory.
+kvp_python_tests() {
+  "$KVP_ROOT/scripts/deps.sh" --python
+  local python=python3
+  if python3 -c 'import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then
+    [[ -x $KVP_BUILD/python-venv/bin/python ]] || python3 -m venv "$KVP_BUILD/python-venv"
+    python=$KVP_BUILD/python-venv/bin/python
+  fi
+  local pip=("$python" -m pip install --quiet --disable-pip-version-check)
+  if [[ $(id -u) -eq 0 ]]; then pip+=(--root-user-action=ignore); fi
+  "${pip[@]}" pytest numpy
+  CMAKE_BUILD_PARALLEL_LEVEL=$(kvp_jobs) "${pip[@]}" ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
+  "$python" -m pytest python/tests -q
 }

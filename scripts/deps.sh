@@ -2,12 +2,21 @@
 # Installs the Debian packages kvpolicy builds with, if any is missing:
 #   cmake make g++ doctest-dev libfmt-dev libbenchmark-dev
 # (make: cmake only recommends it, and --no-install-recommends skips it)
+# --python: also what the Python package (python/) builds with: python3 with pip and
+# its headers (Debian's python3-dev, python3-pip and python3-venv when python3 is
+# Debian's own or missing; another interpreter, pyenv's say, brings its own).
 # As root it runs apt-get; otherwise it prints the apt-get line and exits 1.
 # The CUDA toolkit (nvcc) is not a Debian package here: without it, everything
 # but the CUDA targets still builds and tests.
 set -euo pipefail
 
 packages=(cmake make g++ doctest-dev libfmt-dev libbenchmark-dev)
+if [[ ${1:-} == --python ]]; then
+  python=$(command -v python3 || true)
+  if [[ -z $python || $(readlink -f "$python") == /usr/bin/python3* ]]; then
+    packages+=(python3 python3-dev python3-pip python3-venv)
+  fi
+fi
 
 missing=()
 for pkg in "${packages[@]}"; do

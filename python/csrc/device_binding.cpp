@@ -50,18 +50,13 @@ void describe_call(call_args& a, const paged_cache& cache, nb::handle items_arg,
 
   a.items_keep = readable(items_arg, "items");
   const array& items = a.items_keep;
-  require_ndim(items, 2, "items", "[n, 4]: (seq, query_slot, budget, history_tokens)");
-  require(items.shape(1) == item_columns && (items.shape(0) <= 1 || items.stride(0) == item_columns) &&
-              items.stride(1) == 1,
-          "items", "has shape {} and strides {}; expected a contiguous [n, 4]", shape_of(items), strides_of(items));
-  require_dtype(items, int32_type, "items", "int32");
+  const kvp::batch_item* rows = item_rows(items);
   call.num_items = static_cast<std::int32_t>(items.shape(0));
   const place at = place_of(items, "items");
   if (at.device) {
     require_place(at, place{true, c.device_id}, "items");
-    call.device_items = static_cast<const kvp::batch_item*>(items.data());
+    call.device_items = rows;
   } else {
-    const auto* rows = static_cast<const kvp::batch_item*>(items.data());
     a.host_items.assign(rows, rows + call.num_items);
     call.host_items = a.host_items.data();
   }
@@ -105,9 +100,6 @@ void compress(const policy& pol, const paged_cache& cache, nb::handle items, nb:
   describe_call(a, cache, items, queries, scores, layer_begin, layer_count, max_tokens, stream);
   device_call& call = a.call;
   const cache_description& c = cache.desc;
-  require(!check || !stream_is_capturing(call.stream), "check",
-          "is True while the stream is being captured into a CUDA graph; a check waits for the device: pass "
-          "check=False and call result.check() after a replay");
 
   const std::size_t n = static_cast<std::size_t>(call.num_items);
   const std::size_t max_blocks = (call.max_tokens + c.shape.block_size - 1) / c.shape.block_size;
@@ -135,7 +127,7 @@ void compress(const policy& pol, const paged_cache& cache, nb::handle items, nb:
   require(ws.ndim() == 1 && (ws.shape(0) <= 1 || ws.stride(0) == 1), "workspace",
           "has shape {} and strides {}; expected a contiguous 1-D array", shape_of(ws), strides_of(ws));
   std::visit([&](const auto& p) { device_compress(p, call, o, ws.data(), ws.nbytes()); }, pol);
-  if (check) check_status(o.status, call.stream);
+  if (check) check_status(o.status, call.stream);  // kvpolicy.compress refuses check under capture
 }
 
 // Device memory for a framework kvpolicy cannot allocate with: freed, on the same

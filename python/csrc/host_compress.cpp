@@ -27,13 +27,9 @@ nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle i
   const cache_description& c = cache.desc;
   require(!c.on_device, "cache", "lives on CUDA device {}; host_compress runs on host memory", c.device_id);
   const array items = readable(items_arg, "items");
-  require_ndim(items, 2, "items", "[n, 4]: (seq, query_slot, budget, history_tokens)");
-  require(items.shape(1) == item_columns && (items.shape(0) <= 1 || items.stride(0) == item_columns) &&
-              items.stride(1) == 1,
-          "items", "has shape {} and strides {}; expected a contiguous [n, 4]", shape_of(items), strides_of(items));
-  require_dtype(items, int32_type, "items", "int32");
+  const kvp::batch_item* item_data = item_rows(items);
   require(!place_of(items, "items").device, "items", "lives on CUDA memory; the host path reads host memory");
-  const std::span<const kvp::batch_item> batch_items(static_cast<const kvp::batch_item*>(items.data()), items.shape(0));
+  const std::span<const kvp::batch_item> batch_items(item_data, items.shape(0));
 
   array queries_keep;
   mut_array scores_keep;
@@ -57,7 +53,8 @@ nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle i
           longest);
   const std::size_t width = static_cast<std::size_t>(max_tokens ? max_tokens : longest);
   const std::size_t max_blocks = (width + c.shape.block_size - 1) / c.shape.block_size;
-  const std::size_t layers = n ? r.kept_counts[0].size() / c.shape.num_kv_heads : 0;
+  const kvp::layer_range range = kvp::resolve_layers(batch, view);
+  const std::size_t layers = static_cast<std::size_t>(range.end - range.begin);
   const std::size_t rows = layers * c.shape.num_kv_heads;
 
   std::vector<std::int32_t> released(n * max_blocks, -1), released_counts(n), kept(n * rows);

@@ -8,6 +8,9 @@
 #include <type_traits>
 
 #include <kvpolicy/core/batch.hpp>
+#include <kvpolicy/core/error.hpp>
+
+#include "tensor_args.hpp"
 
 namespace kvpy {
 
@@ -18,5 +21,16 @@ static_assert(std::is_standard_layout_v<kvp::batch_item> && sizeof(kvp::batch_it
               "column order in src/kvpolicy/compress.py");
 
 inline constexpr std::size_t item_columns = 4;
+
+// The rows of `items`, checked: int32 [n, 4], rows packed (any strides when empty).
+inline const kvp::batch_item* item_rows(const array& items) {
+  require_ndim(items, 2, "items", "[n, 4]: (seq, query_slot, budget, history_tokens)");
+  require_dtype(items, int32_type, "items", "int32");
+  const bool packed = items.shape(0) == 0 || ((items.shape(0) == 1 || items.stride(0) == item_columns) &&
+                                              items.stride(1) == 1);
+  kvp::require(items.shape(1) == item_columns && packed, "items",
+               "has shape {} and strides {}; expected a contiguous [n, 4]", shape_of(items), strides_of(items));
+  return static_cast<const kvp::batch_item*>(items.data());
+}
 
 }  // namespace kvpy

@@ -101,3 +101,13 @@ def test_torch_free_numpy_results_and_released_helper():
     assert isinstance(r.new_lengths, np.ndarray) and r.new_lengths.dtype == np.int32
     assert r.released(0).tolist() == case.block_table[0, 5:10].tolist()
     assert r.check() is r  # nothing to wait for on the host
+
+
+def test_an_empty_batch_writes_nothing():
+    case = make_case(lengths=(40, 33), seed=8)
+    cache, args = case.cache("nano_vllm")
+    before = args["kv"].copy()
+    r = kvpolicy.compress(kvpolicy.StreamingLLM(), cache, seqs=np.zeros(0, np.int32), budgets=20, return_masks=True)
+    assert r.new_lengths.shape == (0,) and r.kept_counts.shape == (0, case.num_layers, 2)
+    assert r.keep_masks.shape[:3] == (0, case.num_layers, 2)
+    np.testing.assert_array_equal(args["kv"], before)

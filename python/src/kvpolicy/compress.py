@@ -52,7 +52,10 @@ class CompressResult:
         On the host every error was raised by ``compress`` already: nothing to do.
         """
         if self.status is not None:
-            _core.check_device_status(self.status, self.stream)
+            stream = self.stream
+            if stream is None:  # from torch_ops: the stream current when checking
+                stream = stream_handle(None, "torch", self.status.device.index)
+            _core.check_device_status(self.status, stream)
         return self
 
     def released(self, i: int):
@@ -223,6 +226,12 @@ def run(
         return CompressResult(**{name: host_result(a, cache.framework) for name, a in out.items()})
 
     h = stream_handle(stream, cache.framework, cache.device)
+    if check and _core.stream_is_capturing(h):
+        raise Error(
+            "kvpolicy: check: is True while the stream is being captured into a CUDA graph; a check waits for the "
+            "device: pass check=False and call result.check() after a replay",
+            "check",
+        )
     width = max_tokens or cache.max_tokens
     # Sizing runs every host-side check (shapes, layers, policy) before any allocation.
     need = _core.device_workspace_bytes(

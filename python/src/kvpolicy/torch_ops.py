@@ -14,7 +14,6 @@ ints, bools and strings (the policy travels as its JSON spec).
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import List, Optional, Tuple
 
@@ -27,13 +26,17 @@ from .compress import CompressResult, run
 _OUTPUTS = ("status", "new_lengths", "released_counts", "released_blocks", "kept_counts", "nonfinite_scores", "keep_masks")
 
 
+# Traced by torch.compile as the constant it is (Dynamo cannot step into the
+# extension's methods).
+@torch.compiler.assume_constant_result
 def policy_spec(policy) -> str:
     """The policy as the op's string argument: its preset name and every parameter."""
     return json.dumps([policy.name, policy.params()], sort_keys=True)
 
 
-@functools.lru_cache(maxsize=64)
 def _policy(spec: str):
+    # Built anew per call (microseconds): a cached instance would outlive the
+    # extension at interpreter exit.
     import kvpolicy
 
     name, params = json.loads(spec)
@@ -185,7 +188,6 @@ def compress(
     fields = dict(zip(_OUTPUTS, out))
     if not return_masks:
         fields["keep_masks"] = None
-    if device.type == "cuda":
-        return CompressResult(**fields, stream=int(torch.cuda.current_stream(device).cuda_stream))
-    fields["status"] = None
-    return CompressResult(**fields)
+    if device.type != "cuda":
+        fields["status"] = None  # the host raised any error already
+    return CompressResult(**fields)  # on CUDA, check() waits for the stream current then

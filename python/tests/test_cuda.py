@@ -1,0 +1,187 @@
+"""The CUDA path with PyTorch tensors: the same results as the host executor, errors
+through the status, streams, workspaces, torch.compile and CUDA graph capture.
+Skipped without a GPU, PyTorch with CUDA, or a kvpolicy built with CUDA
+(python/scripts/gpu_check.sh runs them on the GPU machine)."""
+
+import os
+
+import numpy as np
+import pytest
+
+# python/scripts/gpu_check.sh sets it: there, a test that cannot run is a failure.
+REQUIRED = os.environ.get("KVPOLICY_REQUIRE_CUDA") == "1"
+torch = pytest.importorskip("torch") if not REQUIRED else __import__("torch")
+
+import kvpolicy  # noqa: E402
+from checks import check_moved  # noqa: E402
+from paged_case import make_case  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(not REQUIRED and not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not REQUIRED and not kvpolicy.has_cuda, reason="kvpolicy built without its CUDA path"),
+]
+
+PRESETS = [kvpolicy.Zipage, kvpolicy.RKV, kvpolicy.GKV, kvpolicy.SnapKV, kvpolicy.H2O, kvpolicy.StreamingLLM]
+LAYOUT = "vllm_flash"
+
+
+class Twin:
+    """One case as PyTorch tensors on `device`: cache, table, lengths, queries, F."""
+
+    def __init__(self, case, device, dtype=torch.bfloat16, layout=LAYOUT):
+        self.case, self.layout = case, layout
+
+        def to(x, kind=dtype):  # a copy: twins never share memory with the case or each other
+            return torch.from_numpy(np.array(x)).to(device=device, dtype=kind)
+
+        self.args = {k: [to(x) for x in v] if isinstance(v, list) else to(v) for k, v in case.tensors(layout).items()}
+        self.table = to(case.block_table, torch.int32)
+        self.lengths = to(case.lengths, torch.int32)
+        self.queries = to(case.queries)
+        self.scores = to(case.scores, torch.float32)
+        self.positions = to(case.positions, torch.int32)
+        self.cache = kvpolicy.PagedCache(layout, **self.args, block_table=self.table, lengths=self.lengths,
+                                         positions=self.positions)
+
+    def canonical(self):
+        return self.case.canonical(self.layout, {k: [x.float().cpu().numpy() for x in v] if isinstance(v, list)
+                                                 else v.float().cpu().numpy() for k, v in self.args.items()})
+
+    def compress(self, policy, **kw):
+        return kvpolicy.compress(policy, self.cache, queries=self.queries, scores=self.scores, **kw)
+
+
+def numpy_result(r):
+    return type(r)(**{k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in vars(r).items()})
+
+
+def near_tie_differences(host, device, tolerance=1e-3):
+    """Keep-mask entries that differ between the two runs; each must be a near-tie: the
+    token's host score within `tolerance` of its row's lowest kept score (fp32 rounding
+    decides such a tie either way, as the library's own parity tests allow)."""
+    masks_h, masks_d = host.keep_masks, device.keep_masks
+    differ = np.argwhere(masks_h != masks_d)
+    for i, l, h, t in differ:
+        row = host.scores[i, l, h]
+        boundary = row[masks_h[i, l, h] == 1].min()
+        assert abs(row[t] - boundary) <= tolerance * max(1.0, abs(boundary)), (
+            f"item {i} layer {l} head {h} token {t}: {row[t]} vs boundary {boundary}")
+    return len(differ)
+
+
+@pytest.mark.parametrize("cls", PRESETS)
+def test_device_equals_host(cls):
+    case = make_case(lengths=(64, 0, 57, 33), window=32, head_dim=64, block_size=16, seed=31)
+    host, dev = Twin(case, "cpu"), Twin(case, "cuda")
+    before = dev.canonical()
+    kw = dict(seqs=[0, 2, 3], budgets=[40, 33, 32], return_masks=True, return_scores=True, max_tokens=64)
+    rh = numpy_result(host.compress(cls(), **kw))
+    rd = dev.compress(cls(), **kw)
+    assert rd.new_lengths.is_cuda and rd.keep_masks.is_cuda
+    rd = numpy_result(rd)
+    np.testing.assert_array_equal(rd.new_lengths, rh.new_lengths)
+    np.testing.assert_array_equal(rd.kept_counts, rh.kept_counts)
+    np.testing.assert_array_equal(rd.released_counts, rh.released_counts)
+    np.testing.assert_array_equal(rd.released_blocks, rh.released_blocks)
+    check_moved(case, before, dev.canonical(), [0, 2, 3], case.lengths, rd, case.positions,
+                dev.positions.cpu().numpy())
+    if near_tie_differences(rh, rd) == 0:
+        np.testing.assert_array_equal(dev.canonical(), host.canonical())
+        np.testing.assert_allclose(dev.scores.cpu().numpy(), host.scores.cpu().numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_device_validation_errors_raise_on_check_and_write_nothing():
+    case = make_case(lengths=(40, 33), window=8, seed=32)
+    dev = Twin(case, "cuda")
+    before = dev.canonical()
+    with pytest.raises(kvpolicy.Error) as e:  # lengths live on the device: checked there
+        dev.compress(kvpolicy.SnapKV(window=8), seqs=[1], budgets=34)
+    assert e.value.field == "batch[0].budget"
+    r = dev.compress(kvpolicy.SnapKV(window=8), seqs=[0], budgets=20, history_tokens=41, check=False)
+    assert r.status.is_cuda
+    with pytest.raises(kvpolicy.Error) as e:
+        r.check()
+    assert e.value.field == "batch[0].history_tokens"
+    np.testing.assert_array_equal(dev.canonical(), before)
+    with pytest.raises(kvpolicy.Error) as e:  # shapes are checked on the host, before any launch
+        dev.compress(kvpolicy.SnapKV(), seqs=[0], budgets=20)
+    assert e.value.field == "queries.window"
+
+
+def test_streams_and_workspace():
+    case = make_case(lengths=(40, 33), window=8, seed=33)
+    a, b, c = Twin(case, "cuda"), Twin(case, "cuda"), Twin(case, "cuda")
+    policy = kvpolicy.SnapKV(window=8)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the twins' copies to the device
+    need = kvpolicy.workspace_bytes(policy, a.cache, num_items=2, queries=a.queries, return_masks=True)
+    workspace = torch.empty(need, dtype=torch.uint8, device="cuda")
+    ra = a.compress(policy, seqs=[0, 1], budgets=20, return_masks=True, stream=side, workspace=workspace)
+    rb = b.compress(policy, seqs=[0, 1], budgets=20, return_masks=True, stream=side.cuda_stream)
+    rc = c.compress(policy, seqs=torch.tensor([0, 1], device="cuda"), budgets=20, return_masks=True)
+    assert torch.equal(ra.keep_masks, rb.keep_masks) and torch.equal(ra.keep_masks, rc.keep_masks)
+    assert np.array_equal(a.canonical(), b.canonical()) and np.array_equal(a.canonical(), c.canonical())
+    with pytest.raises(kvpolicy.Error) as e:
+        c.compress(policy, seqs=[0, 1], budgets=20, workspace=workspace[: need // 2])
+    assert e.value.field == "workspace"
+
+
+def test_cuda_graph_capture_and_replay():
+    case = make_case(lengths=(64, 57, 50), window=16, head_dim=64, block_size=16, seed=34)
+    eager, graphed = Twin(case, "cuda"), Twin(case, "cuda")
+    policy = kvpolicy.Zipage()
+    seqs = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+    want = eager.compress(policy, seqs=seqs, budgets=32, return_masks=True)
+
+    warm = Twin(case, "cuda")  # the first call loads the kernels: outside the capture
+    warm.compress(policy, seqs=seqs, budgets=32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = graphed.compress(policy, seqs=seqs, budgets=32, return_masks=True, check=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    got.check()
+    assert torch.equal(got.new_lengths, want.new_lengths) and torch.equal(got.keep_masks, want.keep_masks)
+    assert np.array_equal(graphed.canonical(), eager.canonical())
+    assert torch.equal(graphed.scores, eager.scores)
+
+    # The items are read on the device at each replay: another batch, the same graph.
+    seqs.copy_(torch.tensor([1, 0], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    got.check()
+    assert got.new_lengths.tolist() == [32, 32]
+    with pytest.raises(kvpolicy.Error) as e:  # a check inside a capture would wait for the device
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            graphed.compress(policy, seqs=seqs, budgets=32)
+    assert e.value.field == "check"
+
+
+def test_the_op_in_a_cuda_graph_and_under_torch_compile():
+    import kvpolicy.torch_ops as ops
+
+    case = make_case(lengths=(64, 57), window=16, head_dim=64, block_size=16, seed=35)
+    eager, graphed, compiled = Twin(case, "cuda"), Twin(case, "cuda"), Twin(case, "cuda")
+    policy = kvpolicy.SnapKV(window=16)
+
+    def step(t):
+        r = ops.compress(policy, LAYOUT, kv=t.args["kv"], block_table=t.table, lengths=t.lengths, seqs=[0, 1],
+                         budgets=40, queries=t.queries, positions=t.positions, return_masks=True)
+        return r.new_lengths, r.keep_masks
+
+    want_lengths, want_masks = step(eager)
+    step(Twin(case, "cuda"))  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lengths, masks = step(graphed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(lengths, want_lengths) and torch.equal(masks, want_masks)
+    assert np.array_equal(graphed.canonical(), eager.canonical())
+
+    torch._dynamo.reset()
+    lengths, masks = torch.compile(step, backend="aot_eager", fullgraph=True)(compiled)
+    assert torch.equal(lengths, want_lengths) and torch.equal(masks, want_masks)
+    assert np.array_equal(compiled.canonical(), eager.canonical())
