@@ -52,18 +52,18 @@ STORY = Session(
     name="story",
     turns=(
         Turn(LIGHTHOUSE, 160),
-        Turn("Continue the story: write what happens the following winter, when the bay freezes over.", 260),
+        Turn("Continue the story: write what happens the following winter, when the bay freezes over.", 220),
         Turn(
             "Now a short arithmetic question. Edda buys 3 bags of flour at 4 dollars each and 2 cans "
             "of lamp oil at 7 dollars each. How much does she spend in total? Work it out step by step.",
             200,
         ),
-        Turn("Write a short poem about the sea at night.", 180),
-        Turn("Describe, in a paragraph, how a lighthouse lens works.", 220),
-        Turn("Continue the story again: Tomas decides to become a lighthouse keeper. What does he do first?", 260),
+        Turn("Write a short poem about the sea at night.", 160),
+        Turn("Describe, in a paragraph, how a lighthouse lens works.", 200),
+        Turn("Continue the story again: Tomas decides to become a lighthouse keeper. What does he do first?", 220),
     ),
     probes=(
-        Probe("In the story I gave you at the start, what was the name of the lighthouse keeper?", ("Edda",)),
+        Probe("In the story I gave you at the start, who kept the lighthouse on Gull Point?", ("Edda",)),
         Probe("In the story I gave you at the start, what was the name of Edda's cat?", ("Pepper",)),
         Probe("In the story I gave you at the start, what was the name of Edda's boat?", ("Moth",)),
         Probe("In the story I gave you at the start, where was the spare key to the lamp room hidden?", ("cocoa",)),
