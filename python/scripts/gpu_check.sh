@@ -7,6 +7,8 @@
 # torch.cuda.CUDAGraph, the torch op under torch.compile and in a graph).
 # Logs go to $OUT (if set, else python/build/gpu_check): build.log, pytest.log,
 # junit.xml, environment.txt. Exits non-zero when the build or a test fails.
+# fmt: the copy python/scripts/gpu_prepare.sh puts in .deps/fmt (carry .deps along)
+# when it is there, else the machine's own.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 LOG=${OUT:-$PWD/python/build/gpu_check}
@@ -44,13 +46,20 @@ fi
 for tool in cmake nvcc; do
   command -v "$tool" >/dev/null 2>&1 || { echo "gpu_check.sh: $tool not found" >&2; exit 2; }
 done
+fmt_args=()
+if [[ -d .deps/fmt ]]; then
+  fmt_lib=$PWD/.deps/fmt/lib/x86_64-linux-gnu
+  fmt_args=(-C "cmake.define.fmt_DIR=$fmt_lib/cmake/fmt")
+  export LD_LIBRARY_PATH=$fmt_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # the extension links libfmt.so.9
+  echo "== fmt from .deps/fmt"
+fi
 
 # ON, not AUTO: a build that silently dropped the CUDA path would only skip the tests.
 echo "== building (log: $LOG/build.log)"
 start=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
   python3 -m pip install --no-build-isolation --no-deps -v ./python \
-  -C cmake.define.KVPOLICY_PYTHON_CUDA=ON >"$LOG/build.log" 2>&1 || {
+  -C cmake.define.KVPOLICY_PYTHON_CUDA=ON "${fmt_args[@]}" >"$LOG/build.log" 2>&1 || {
   tail -50 "$LOG/build.log"
   echo "gpu_check.sh: the build failed; see $LOG/build.log" >&2
   exit 1
