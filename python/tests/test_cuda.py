@@ -185,3 +185,56 @@ def test_the_op_in_a_cuda_graph_and_under_torch_compile():
     lengths, masks = torch.compile(step, backend="aot_eager", fullgraph=True)(compiled)
     assert torch.equal(lengths, want_lengths) and torch.equal(masks, want_masks)
     assert np.array_equal(compiled.canonical(), eager.canonical())
+
+
+def to_numpy(x):
+    return x.get() if hasattr(x, "get") else x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+def test_cupy_arrays_in_and_out():
+    cupy = pytest.importorskip("cupy")
+    case = make_case(lengths=(48, 41), window=8, head_dim=64, block_size=16, seed=36, dtype=np.float16)
+    host_case = make_case(lengths=(48, 41), window=8, head_dim=64, block_size=16, seed=36, dtype=np.float16)
+    kv = cupy.asarray(case.tensors("nano_vllm")["kv"])
+    before = case.canonical("nano_vllm", {"kv": kv.get()})
+    cache = kvpolicy.PagedCache("nano_vllm", kv, block_table=cupy.asarray(case.block_table),
+                                lengths=cupy.asarray(case.lengths))
+    assert (cache.framework, cache.device) == ("cupy", 0)
+    policy, kw = kvpolicy.SnapKV(window=8), dict(seqs=[0, 1], budgets=24, return_masks=True, return_scores=True)
+    r = kvpolicy.compress(policy, cache, queries=cupy.asarray(case.queries), max_tokens=48, **kw)
+    assert isinstance(r.new_lengths, cupy.ndarray)
+    host_cache, host_args = host_case.cache("nano_vllm")
+    rh = kvpolicy.compress(policy, host_cache, queries=host_case.queries, max_tokens=48, **kw)
+    rd = type(r)(**{k: to_numpy(v) if v is not None and not isinstance(v, int) else v for k, v in vars(r).items()})
+    np.testing.assert_array_equal(rd.new_lengths, rh.new_lengths)
+    near_tie_differences(rh, rd)
+    check_moved(case, before, case.canonical("nano_vllm", {"kv": kv.get()}), [0, 1], case.lengths, rd)
+
+
+class Foreign:
+    """A DLPack array of a framework kvpolicy does not know (it wraps a PyTorch tensor)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, **kw):
+        return self.tensor.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_any_dlpack_framework_gets_results_it_can_import():
+    case = make_case(lengths=(48, 41), window=8, head_dim=64, block_size=16, seed=37)
+    dev, ref = Twin(case, "cuda"), Twin(case, "cuda")
+    torch.cuda.synchronize()  # the fallback runs on stream 0
+    cache = kvpolicy.PagedCache(LAYOUT, [Foreign(t) for t in dev.args["kv"]], block_table=Foreign(dev.table),
+                                lengths=Foreign(dev.lengths))
+    assert cache.framework == "test_cuda"
+    r = kvpolicy.compress(kvpolicy.SnapKV(window=8), cache, seqs=[0, 1], budgets=24, queries=Foreign(dev.queries),
+                          return_masks=True)  # results and workspace from cudaMallocAsync
+    want = ref.compress(kvpolicy.SnapKV(window=8), seqs=[0, 1], budgets=24, return_masks=True)
+    assert torch.equal(torch.from_dlpack(r.keep_masks), want.keep_masks)
+    assert torch.equal(torch.from_dlpack(r.new_lengths), want.new_lengths)
+    r.check()
+    assert np.array_equal(dev.canonical(), ref.canonical())

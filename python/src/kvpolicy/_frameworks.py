@@ -15,8 +15,6 @@ import numpy as np
 
 from . import _core
 
-_TORCH_DTYPES = {"int32": "int32", "uint8": "uint8", "float32": "float32"}
-
 
 def is_device_array(x) -> bool:
     """Whether `x` is a DLPack array in CUDA memory (device or managed)."""
@@ -43,8 +41,7 @@ class DeviceAllocator:
         if self.framework == "torch":
             import torch
 
-            current = torch.cuda.current_stream(self.device)
-            if int(current.cuda_stream) == self.stream:
+            if int(torch.cuda.current_stream(self.device).cuda_stream) == self.stream:
                 yield
             else:
                 with torch.cuda.stream(torch.cuda.ExternalStream(self.stream, device=self.device)):
@@ -52,8 +49,12 @@ class DeviceAllocator:
         elif self.framework == "cupy":
             import cupy
 
-            with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(self.stream):
-                yield
+            with cupy.cuda.Device(self.device):
+                if int(cupy.cuda.get_current_stream().ptr) == self.stream:
+                    yield
+                else:
+                    with cupy.cuda.ExternalStream(self.stream):
+                        yield
         else:
             yield
 
@@ -63,7 +64,7 @@ class DeviceAllocator:
             if self.framework == "torch":
                 import torch
 
-                return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=f"cuda:{self.device}")
+                return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{self.device}")
             if self.framework == "cupy":
                 import cupy
 
