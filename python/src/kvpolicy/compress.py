@@ -13,7 +13,7 @@ from ._streams import stream_handle
 from .errors import Error
 
 # The four columns of a batch item, in kvp::batch_item's memory order (csrc/items.hpp
-# asserts it): one int32 row per item.
+# asserts it): one int32 row per item. _device_items keeps the same order.
 _ITEM_COLUMNS = ("seq", "query_slot", "budget", "history_tokens")
 
 
@@ -98,42 +98,43 @@ def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
     return items
 
 
-def _device_items(seqs, budgets, history_tokens, query_slots, framework: str, device: int):
-    """Items built on the device by the framework that holds them (no host round trip)."""
-    given = [x for x in (seqs, budgets, history_tokens, query_slots) if is_device_array(x)]
-    if framework != "torch" and not all(type(x).__module__.startswith("cupy") for x in given):
+def _device_items(seqs, budgets, history_tokens, query_slots, device: int):
+    """Items built on the device by the framework of the device arrays among them (no
+    host round trip: a captured graph reads them at each replay)."""
+    named = {"seqs": seqs, "budgets": budgets, "history_tokens": history_tokens,
+             "query_slots": seqs if query_slots is None else query_slots}
+    kinds = {type(x).__module__.split(".")[0] for x in named.values() if is_device_array(x)}
+    if kinds not in ({"torch"}, {"cupy"}):
         raise Error(
-            "kvpolicy: seqs: device item arrays are supported as PyTorch or CuPy arrays; pass host values "
-            "(ints, lists, NumPy) instead",
+            f"kvpolicy: seqs: device item arrays come from {sorted(kinds)}; they may be PyTorch or CuPy arrays "
+            "(one of them), or host values (ints, lists, NumPy)",
             "seqs",
         )
-    if type(given[0]).__module__.startswith("torch"):
-        import torch
+    if kinds == {"torch"}:
+        import torch as xp
 
-        seq = torch.as_tensor(seqs, device=f"cuda:{device}").reshape(-1)
-        n = seq.shape[0]
+        def array(x):
+            return xp.as_tensor(x, device=f"cuda:{device}").to(xp.int32)
+    else:
+        import cupy as xp
 
-        def col(x):
-            return torch.as_tensor(x, device=f"cuda:{device}").to(torch.int32).expand(n)
+        def array(x):
+            with xp.cuda.Device(device):
+                return xp.asarray(x).astype(xp.int32)
 
-        cols = [col(seq), col(seq if query_slots is None else query_slots), col(budgets), col(history_tokens)]
-        return torch.stack(cols, dim=1).contiguous()
-    import cupy
-
-    with cupy.cuda.Device(device):
-        seq = cupy.asarray(seqs).reshape(-1)
-        n = seq.shape[0]
-
-        def col(x):
-            return cupy.broadcast_to(cupy.asarray(x).astype(cupy.int32), (n,))
-
-        cols = [col(seq), col(seq if query_slots is None else query_slots), col(budgets), col(history_tokens)]
-        return cupy.ascontiguousarray(cupy.stack(cols, axis=1))
+    columns = {name: array(x) for name, x in named.items()}
+    n = columns["seqs"].reshape(-1).shape[0]
+    for name, x in columns.items():
+        if x.ndim > 1 or (x.ndim == 1 and x.shape[0] != n):
+            raise Error(f"kvpolicy: {name}: has shape {tuple(x.shape)}; expected an int or {n} values", name)
+    rows = [xp.broadcast_to(columns[name].reshape(-1) if columns[name].ndim else columns[name], (n,))
+            for name in ("seqs", "query_slots", "budgets", "history_tokens")]
+    return xp.stack(rows, 1)  # a new, contiguous [n, 4]
 
 
 def _items(seqs, budgets, history_tokens, query_slots, cache):
     if cache.device is not None and any(is_device_array(x) for x in (seqs, budgets, history_tokens, query_slots)):
-        return _device_items(seqs, budgets, history_tokens, query_slots, cache.framework, cache.device)
+        return _device_items(seqs, budgets, history_tokens, query_slots, cache.device)
     return _host_items(seqs, budgets, history_tokens, query_slots)
 
 
