@@ -18,7 +18,7 @@ static_assert(std::is_standard_layout_v<kvp::batch_item> && sizeof(kvp::batch_it
                   offsetof(kvp::batch_item, seq) == 0 && offsetof(kvp::batch_item, query_slot) == 4 &&
                   offsetof(kvp::batch_item, budget) == 8 && offsetof(kvp::batch_item, history_tokens) == 12,
               "kvp::batch_item is no longer (seq, query_slot, budget, history_tokens) as int32: update the "
-              "column order in src/kvpolicy/compress.py");
+              "column order in src/kvpolicy/_compress.py");
 
 inline constexpr std::size_t item_columns = 4;
 

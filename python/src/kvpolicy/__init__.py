@@ -12,7 +12,7 @@ caller's stream. ``kvpolicy.torch_ops`` registers the call as a PyTorch custom o
 
 from . import errors  # first: the compiled core raises kvpolicy.errors.Error
 from ._core import GKV, H2O, LAYOUTS, RKV, PagedCache, SnapKV, StreamingLLM, Zipage, has_cuda
-from .compress import CompressResult, compress, workspace_bytes
+from ._compress import CompressResult, compress, workspace_bytes
 from .errors import Error
 
 __version__ = "0.1.0"

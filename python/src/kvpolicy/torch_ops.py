@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _core
-from .compress import CompressResult, run
+from ._compress import CompressResult, run
 
 _OUTPUTS = ("status", "new_lengths", "released_counts", "released_blocks", "kept_counts", "nonfinite_scores", "keep_masks")
 

@@ -1,4 +1,4 @@
-"""kvpolicy.compress: one call, host or device, on the caller's own tensors."""
+"""kvpolicy.compress (and run, workspace_bytes): one call, host or device, on the caller's own tensors."""
 
 from __future__ import annotations
 
