@@ -17,7 +17,7 @@ import numpy as np
 import kvpolicy
 from paged_cache import PagedCache
 
-PRESETS = ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm")
+PRESETS = tuple(kvpolicy.PRESETS)  # the package's presets by name
 BACKEND = f"kvpolicy {kvpolicy.__version__}"
 
 
@@ -51,4 +51,10 @@ def compress(preset: str, cache: PagedCache, items: list[Item]) -> list[ItemResu
         queries=cache.query_window(),  # slot s is sequence s
         scores=cache.scores,
     )
+    counts = np.asarray(r.kept_counts)
+    for i in range(len(items)):
+        if (counts[i] != r.new_lengths[i]).any():
+            # A head-adaptive selector (Hard-KV's) keeps a count per head; the harness's
+            # attention reads one length per sequence, so such a preset needs per-head lengths.
+            raise NotImplementedError(f"{preset}: kept counts differ across heads; the harness reads one length per sequence")
     return [ItemResult(int(r.new_lengths[i]), [int(b) for b in r.released(i)]) for i in range(len(items))]

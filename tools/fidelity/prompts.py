@@ -9,7 +9,10 @@ the answer contains one of its accepted strings.
 
 Facts are planted in the first turn and asked after all the other turns, so that
 between the plant and the question lie well over a thousand tokens: far more than the
-smaller budgets hold.
+smaller budgets hold. Only facts the full cache itself answers right are asked: the
+lighthouse keeper's name (three phrasings: the model named a later character) and the
+user's own name (three phrasings: it answered with a name of its own) were tried and
+dropped, since a miss there says nothing about compression.
 """
 
 from __future__ import annotations
@@ -63,7 +66,6 @@ STORY = Session(
         Turn("Continue the story again: Tomas decides to become a lighthouse keeper. What does he do first?", 220),
     ),
     probes=(
-        Probe("In the story I gave you at the start, who kept the lighthouse on Gull Point?", ("Edda",)),
         Probe("In the story I gave you at the start, what was the name of Edda's cat?", ("Pepper",)),
         Probe("In the story I gave you at the start, what was the name of Edda's boat?", ("Moth",)),
         Probe("In the story I gave you at the start, where was the spare key to the lamp room hidden?", ("cocoa",)),
@@ -104,7 +106,6 @@ ARITHMETIC = Session(
     ),
     probes=(
         Probe("What is the name of my bakery?", ("Copper Whisk",)),
-        Probe("What is my name?", ("Ilona",)),
     ),
 )
 
