@@ -222,6 +222,9 @@ TEST_CASE("parity: every preset of the token-wise family on random configuration
   run_random("snapkv", kvp::presets::snapkv{}, 40, 4, rep);
   run_random("h2o", kvp::presets::h2o{}, 40, 5, rep);
   run_random("streaming_llm", kvp::presets::streaming_llm{}, 40, 6, rep);
+  // Per-head counts from calibrated top-p (temperatures solved in each call).
+  run_random("hard_kv", kvp::presets::hard_kv{}, 40, 27, rep);
+  run_random("hard_kv_rkv", kvp::presets::hard_kv_rkv{}, 20, 28, rep);
   auto variants = kvp::presets::zipage{};
   variants.scorer.group = kvp::group_reduce::max_logits;
   variants.redundancy.form = kvp::redundancy::combine_form::subtract;

@@ -16,9 +16,11 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "kvpolicy/kvpolicy.cuh"  // first: kvpolicy before fmt under nvcc
@@ -62,6 +64,39 @@ inline table_scorer for_device(const table_scorer& s, std::vector<thrust::device
   return {thrust::raw_pointer_cast(tables.back().data())};
 }
 
+// A selector as the CUDA executor gets it. Calibrated top-p's state (temperatures and
+// outcomes the engine keeps) goes as a device copy of the host arrays, copied back by
+// copy_back(); every other selector holds no pointer and goes as it is.
+template <class Sel>
+struct selector_for_device {
+  explicit selector_for_device(const Sel& s) : sel(s) {}
+  Sel sel;
+  void copy_back() const {}
+};
+template <>
+struct selector_for_device<kvp::select::calibrated_top_p> {
+  explicit selector_for_device(const kvp::select::calibrated_top_p& s) : sel(s), host(s.state) {
+    if (host.empty()) return;
+    const std::size_t n = entries(host);
+    temperature.assign(host.temperature, host.temperature + n);
+    outcome.assign(host.outcome, host.outcome + n);
+    sel.state.temperature = thrust::raw_pointer_cast(temperature.data());
+    sel.state.outcome = thrust::raw_pointer_cast(outcome.data());
+  }
+  static std::size_t entries(const kvp::calibration_state& st) {
+    return static_cast<std::size_t>(st.num_slots) * st.num_layers * st.num_kv_heads;
+  }
+  void copy_back() const {
+    if (host.empty()) return;
+    thrust::copy(temperature.begin(), temperature.end(), host.temperature);
+    thrust::copy(outcome.begin(), outcome.end(), host.outcome);
+  }
+  kvp::select::calibrated_top_p sel;
+  kvp::calibration_state host;
+  thrust::device_vector<float> temperature;
+  thrust::device_vector<kvp::calibration_outcome> outcome;
+};
+
 // Runs p on the CUDA executor `ex` over a device copy of `tc`, copies K, V and F back
 // into `tc`, and returns the results in the host executor's form.
 template <class P>
@@ -77,6 +112,8 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
   std::vector<thrust::device_vector<float>> tables;
   P on_device = p;
   on_device.scorer = for_device(p.scorer, tables, max_tokens);
+  const selector_for_device<typename P::select_type> selector(p.select);
+  on_device.select = selector.sel;
   const thrust::device_vector<kvp::batch_item> d_items(items.begin(), items.end());
   // The shared prefixes' targets, copied as they are (at least one entry each).
   std::vector<i32> h_indptr, h_targets;
@@ -125,6 +162,7 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
     }
   }
   dev.copy_back(tc);
+  selector.copy_back();
 
   const auto h_lengths = to_host(new_lengths), h_counts = to_host(released_counts), h_released = to_host(released);
   const auto h_keep = to_host(keep);
@@ -161,6 +199,45 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
   return r;
 }
 
+// What a selector keeps between compressions, around the two runs: the state before
+// them, then the host's after (swap), compared with the device's (which ends in the
+// arrays) and put back, so the test reads the host's. Temperatures agree to
+// rounding, outcomes exactly.
+template <class Sel>
+struct selector_state {
+  explicit selector_state(const Sel&) {}
+  void swap() {}
+  void check_same_and_restore() {}
+};
+template <>
+struct selector_state<kvp::select::calibrated_top_p> {
+  explicit selector_state(const kvp::select::calibrated_top_p& s) : st(s.state) {
+    if (st.empty()) return;
+    const std::size_t n = selector_for_device<kvp::select::calibrated_top_p>::entries(st);
+    temperature.assign(st.temperature, st.temperature + n);
+    outcome.assign(st.outcome, st.outcome + n);
+  }
+  void swap() {
+    for (std::size_t i = 0; i < temperature.size(); ++i) {
+      std::swap(temperature[i], st.temperature[i]);
+      std::swap(outcome[i], st.outcome[i]);
+    }
+  }
+  void check_same_and_restore() {
+    for (std::size_t i = 0; i < temperature.size(); ++i) {
+      CHECK_MESSAGE(outcome[i] == st.outcome[i], "calibration outcome ", i, ": host ", int(outcome[i]), " device ",
+                    int(st.outcome[i]));
+      CHECK_MESSAGE(std::fabs(temperature[i] - st.temperature[i]) <= 1e-4f * std::fabs(temperature[i]) + 1e-6f,
+                    "temperature ", i, ": host ", temperature[i], " device ", st.temperature[i]);
+      st.temperature[i] = temperature[i];
+      st.outcome[i] = outcome[i];
+    }
+  }
+  kvp::calibration_state st;
+  std::vector<float> temperature;
+  std::vector<kvp::calibration_outcome> outcome;
+};
+
 template <class P>
 kvp::host_result run(const P& p, test_cache& tc, const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
                      i32 layer_count = 0, kvp::prefix_targets targets = {}) {
@@ -174,7 +251,9 @@ kvp::host_result run(const P& p, test_cache& tc, const std::vector<kvp::batch_it
   }
   test_cache on_device = zero_padded_copy(tc, k);  // the cache as the host executor finds it
   const std::vector<float> f_before = tc.raw_f();
+  selector_state state(p.select);  // a selector's state as the host executor finds it
   kvp::host_result want = run_host(p, tc, items, layer_begin, layer_count, targets);
+  state.swap();  // the device starts from the same state; the host's result is kept aside
 
   INFO("CUDA executor against the host executor, on ", tc.describe(),
        k > 0 ? " (device rows zero-padded to head_dim " + std::to_string(on_device.head_dim()) + ")" : "");
@@ -182,6 +261,7 @@ kvp::host_result run(const P& p, test_cache& tc, const std::vector<kvp::batch_it
   const long near_ties = check_same_results(want, got, tc, items, device_tolerance, rank_key_of(p));
   // Masks that differ at a near-tie move different tokens: the bytes cannot be equal.
   if (near_ties == 0) check_same_cache(tc, on_device, f_before, device_tolerance);
+  state.check_same_and_restore();
 
   auto& t = tally();
   ++t.compared;

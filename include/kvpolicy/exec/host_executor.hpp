@@ -141,7 +141,7 @@ struct host_executor {
           timed(stage::select, [&] {
             out.nonfinite_scores[i] += host::count_nonfinite(cand);
             host::apply_protect(p.protect, s, n);
-            kept = host::keep_count(p.select, s, raw, n, must, it.budget, head);
+            kept = host::keep_count(p.select, s, raw, n, must, it.budget, head, it.query_slot);
             keep = host::select_top(p.select, s, kept);
           });
           out.kept_counts[i][row] = kept;

@@ -143,6 +143,8 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   }
   require(p.protect.window >= 0, "pipeline.protect.window", "is {}; must not be negative", p.protect.window);
   require(p.protect.sinks >= 0, "pipeline.protect.sinks", "is {}; must not be negative", p.protect.sinks);
+  // A selector's own parameters and state (docs/extending.md, "A policy's own checks").
+  if constexpr (requires { p.select.validate(cache, queries); }) p.select.validate(cache, queries);
 }
 
 // Checks the batch against the engine's lengths and block table, and that no block a

@@ -11,6 +11,7 @@
 #include "kvpolicy/pipeline/pipeline.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"
 #include "kvpolicy/scorer/window_attention.hpp"
+#include "kvpolicy/select/calibrated_top_p.hpp"
 #include "kvpolicy/select/sinks_recent.hpp"
 #include "kvpolicy/select/top_k.hpp"
 
@@ -73,6 +74,32 @@ struct streaming_llm : pipeline<none, none, none, select::sinks_recent, layout::
   constexpr streaming_llm() noexcept {
     select = {.sinks = 4};
     protect = {.window = 16, .sinks = 4};
+  }
+};
+
+// Hard-KV with SnapKV's scores: window attention (group max_logits, mean, w 8) -> max
+// pool 7 -> calibrated top-p (p 0.9, at most 2048 per head) -> compact, each head
+// to its own count. Window 32 and one sink as in Hard-KV's code. Give
+// `select.state` to solve each request's temperatures once and reuse them.
+struct hard_kv : pipeline<scorer::window_attention, aggregate::pool, none, select::calibrated_top_p, layout::compact> {
+  constexpr hard_kv() noexcept {
+    scorer = {.window = 8, .group = group_reduce::max_logits, .reduce = window_reduce::mean};
+    aggregate = {.mode = aggregate::pool_mode::max, .kernel = 7};
+    select = {.p = 0.9f, .upper = 2048};
+    protect = {.window = 32, .sinks = 1};
+  }
+};
+
+// Hard-KV with R-KV's scores: R-KV's stages (keys before the window, max pool 7, full
+// redundancy tau 1, lambda 0.1) and calibrated top-p as in hard_kv.
+struct hard_kv_rkv : pipeline<scorer::window_attention, aggregate::pool, redundancy::full, select::calibrated_top_p,
+                              layout::compact> {
+  constexpr hard_kv_rkv() noexcept {
+    scorer = {.window = 8, .group = group_reduce::max_logits, .reduce = window_reduce::mean, .keys_before_window = true};
+    aggregate = {.mode = aggregate::pool_mode::max, .kernel = 7};
+    redundancy = {.theta = 0.5f, .tau = 1.0f, .lambda = 0.1f};
+    select = {.p = 0.9f, .upper = 2048};
+    protect = {.window = 32, .sinks = 1};
   }
 };
 

@@ -27,6 +27,8 @@ struct row_token {
 //   row.candidates()                        -> int32_t     tokens that have a score ([0, candidates))
 //   row.protected_count()                   -> int32_t     tokens protect always keeps (+inf)
 //   row.head()                              -> head_index  the row's layer and KV head
+//   row.slot()                              -> int32_t     the batch item's query_slot: the request's
+//                                                          own slot, for state kept between compressions
 //   row.sum(f)                              -> float       sum over the row of f(row_token) (a float)
 //   row.max(f)                              -> float       max over the row of f(row_token), -inf if empty
 //   row.top(key, n)                         -> rank_cut    the n tokens of largest key(row_token),
@@ -34,6 +36,9 @@ struct row_token {
 //   row.fewest_reaching(key, weight, mass)  -> int32_t     the fewest tokens, taken by descending key,
 //                                                          whose weights (each >= 0) add up to at least
 //                                                          mass; size() when all of them fall short
+//   row.once(f)                             -> void        f() once for the row (one thread on the
+//                                                          device): a write of state the engine keeps,
+//                                                          which the row's later operations do not read
 //
 // Sums are fp32 in an order each executor chooses, so a count that a sum decides can
 // differ between executors where the sum lies within rounding of its target: the
@@ -46,8 +51,11 @@ struct selector_row_archetype {
   std::int32_t candidates() const;
   std::int32_t protected_count() const;
   head_index head() const;
+  std::int32_t slot() const;
   template <class F>
   float sum(F&&) const;
+  template <class F>
+  void once(F&&) const;
   template <class F>
   float max(F&&) const;
   template <class Key>

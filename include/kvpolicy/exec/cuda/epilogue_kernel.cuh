@@ -219,7 +219,8 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
 
   // How many the row keeps, then which: the keep_count largest rank keys.
   const std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window);
-  const count_inputs in{s, scored ? scores_in + base : nullptr, T, n, must, it.budget, head_index{rc.layer, rc.head}};
+  const count_inputs in{s, scored ? scores_in + base : nullptr, T, n, must, it.budget, head_index{rc.layer, rc.head},
+                         it.query_slot};
   const std::int32_t keep_count = count_kind::keep_count(p.select, in, count_storage);
   std::uint64_t threshold = 0;
   if constexpr (!std::same_as<Sel, none>) {

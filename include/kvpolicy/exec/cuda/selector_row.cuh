@@ -27,13 +27,31 @@ struct selector_row_storage {
 class block_selector_row {
  public:
   __device__ block_selector_row(const float* s, const float* raw, std::int32_t T, std::int32_t candidates,
-                                std::int32_t protected_tokens, head_index head, selector_row_storage& sh)
-      : s_(s), raw_(raw), T_(T), candidates_(candidates), protected_(protected_tokens), head_(head), sh_(&sh) {}
+                                std::int32_t protected_tokens, head_index head, std::int32_t slot,
+                                selector_row_storage& sh)
+      : s_(s),
+        raw_(raw),
+        T_(T),
+        candidates_(candidates),
+        protected_(protected_tokens),
+        head_(head),
+        slot_(slot),
+        sh_(&sh) {}
 
   KVP_HOST_DEVICE std::int32_t size() const { return T_; }
   KVP_HOST_DEVICE std::int32_t candidates() const { return candidates_; }
   KVP_HOST_DEVICE std::int32_t protected_count() const { return protected_; }
   KVP_HOST_DEVICE head_index head() const { return head_; }
+  KVP_HOST_DEVICE std::int32_t slot() const { return slot_; }
+  // No barrier: nothing the row computes later reads what f writes.
+  template <class F>
+  KVP_HOST_DEVICE void once(F&& f) const {
+#if defined(__CUDA_ARCH__)
+    if (threadIdx.x == 0) f();
+#else
+    (void)f;
+#endif
+  }
 
   template <class F>
   KVP_HOST_DEVICE float sum(F&& f) const {
@@ -86,6 +104,7 @@ class block_selector_row {
   const float* raw_;
   std::int32_t T_, candidates_, protected_;
   head_index head_;
+  std::int32_t slot_;
   selector_row_storage* sh_;
 };
 

@@ -38,12 +38,13 @@ inline std::int32_t count_nonfinite(std::span<const float> candidates) {
 // scorer's before aggregation; `must`: the protected tokens.
 template <Selector Sel>
 std::int32_t keep_count(const Sel& sel, std::span<const float> s, std::span<const float> raw,
-                        std::int32_t candidates, std::int32_t must, std::int32_t budget, head_index head) {
+                        std::int32_t candidates, std::int32_t must, std::int32_t budget, head_index head,
+                        std::int32_t slot = 0) {
   const auto T = static_cast<std::int32_t>(s.size());
   if constexpr (std::same_as<Sel, none>) {
     return T;
   } else if constexpr (ScoreDependentSelector<Sel>) {
-    const std::int32_t n = sel.row_keep_count(selector_row(s, raw, candidates, must, head), budget);
+    const std::int32_t n = sel.row_keep_count(selector_row(s, raw, candidates, must, head, slot), budget);
     return std::clamp(n, must, T);
   } else {
     return budget_keep_count(sel, T, budget, head);

@@ -24,18 +24,28 @@ namespace host {
 class selector_row {
  public:
   selector_row(std::span<const float> score, std::span<const float> raw, std::int32_t candidates,
-               std::int32_t protected_tokens, head_index head)
+               std::int32_t protected_tokens, head_index head, std::int32_t slot = 0)
       : score_(score),
         raw_(raw),
         size_(static_cast<std::int32_t>(score.size())),
         candidates_(candidates),
         protected_(protected_tokens),
-        head_(head) {}
+        head_(head),
+        slot_(slot) {}
 
   KVP_HOST_DEVICE std::int32_t size() const { return size_; }
   KVP_HOST_DEVICE std::int32_t candidates() const { return candidates_; }
   KVP_HOST_DEVICE std::int32_t protected_count() const { return protected_; }
   KVP_HOST_DEVICE head_index head() const { return head_; }
+  KVP_HOST_DEVICE std::int32_t slot() const { return slot_; }
+  template <class F>
+  KVP_HOST_DEVICE void once(F&& f) const {
+#if defined(__CUDA_ARCH__)
+    (void)f, __trap();
+#else
+    f();
+#endif
+  }
 
   template <class F>
   KVP_HOST_DEVICE float sum(F&& f) const {
@@ -99,6 +109,7 @@ class selector_row {
   std::span<const float> score_, raw_;
   std::int32_t size_, candidates_, protected_;
   head_index head_;
+  std::int32_t slot_;
 };
 
 }  // namespace host
