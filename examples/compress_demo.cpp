@@ -56,6 +56,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -109,6 +110,7 @@ struct options {
   kvp::dtype type = kvp::dtype::bf16;
   i32 seqs = 4, layers = 2, kv_heads = 2, q_heads = 8, head_dim = 64, block_size = 16, n_max = 9;
   i32 rounds = 2;
+  bool rounds_given = false;
   i32 append = 0;  // tokens appended before each later round; 0: two blocks, or more to clear the window
   std::uint64_t seed = 1;
   bool show_mask = false;
@@ -119,7 +121,8 @@ struct usage_error : std::runtime_error {
 };
 
 constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
-  --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm
+  --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm,
+                    hard_kv, hard_kv_rkv (per-head counts: one round, the counts printed)
   --device NAME     cuda: the CUDA executor (the default when the demo is built with
                     CUDA and a GPU is present); host: the host executor (the default
                     otherwise); both: host and cuda on identical copies of the cache,
@@ -196,6 +199,7 @@ options parse(int argc, char** argv) {
       o.n_max = parse_int(flag, value, 2);
     } else if (flag == "--rounds") {
       o.rounds = parse_int(flag, value, 1);
+      o.rounds_given = true;
     } else if (flag == "--append") {
       o.append = parse_int(flag, value, 1);
     } else if (flag == "--seed") {
@@ -211,7 +215,8 @@ options parse(int argc, char** argv) {
 // Presets: one type each, chosen at run time.
 
 using any_preset = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::presets::gkv, kvp::presets::snapkv,
-                                kvp::presets::h2o, kvp::presets::streaming_llm>;
+                                kvp::presets::h2o, kvp::presets::streaming_llm, kvp::presets::hard_kv,
+                                kvp::presets::hard_kv_rkv>;
 
 any_preset make_preset(std::string_view name) {
   if (name == "zipage") return kvp::presets::zipage{};
@@ -220,6 +225,8 @@ any_preset make_preset(std::string_view name) {
   if (name == "snapkv") return kvp::presets::snapkv{};
   if (name == "h2o") return kvp::presets::h2o{};
   if (name == "streaming_llm") return kvp::presets::streaming_llm{};
+  if (name == "hard_kv") return kvp::presets::hard_kv{};
+  if (name == "hard_kv_rkv") return kvp::presets::hard_kv_rkv{};
   throw usage_error(str("--preset: unknown preset '{}'", name));
 }
 
@@ -577,12 +584,14 @@ kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::
   device_buffer<i32> status(kvp::status_words), new_lengths(items.size()), released_counts(items.size()),
       released_blocks(items.size() * blocks_per_item);
   device_buffer<std::uint8_t> keep(items.size() * rows * max_tokens);
+  device_buffer<i32> kept(items.size() * rows);
   const kvp::device_batch dbatch{.items = d_items.get(), .num_items = num_items, .max_tokens = max_tokens};
   const kvp::device_result out{.status = status.get(),
                                .new_lengths = new_lengths.get(),
                                .released_counts = released_counts.get(),
                                .released_blocks = released_blocks.get(),
-                               .keep_masks = keep.get()};
+                               .keep_masks = keep.get(),
+                               .kept_counts = kept.get()};
 
   stage_events marks;
   kvp::cuda_executor ex;
@@ -619,8 +628,9 @@ kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::
 
   kv.download(kv_out);
   f.download(f_out);
-  std::vector<i32> h_new, h_counts, h_blocks;
+  std::vector<i32> h_new, h_counts, h_blocks, h_kept;
   std::vector<std::uint8_t> h_keep;
+  kept.download(h_kept);
   new_lengths.download(h_new);
   released_counts.download(h_counts);
   released_blocks.download(h_blocks);
@@ -628,7 +638,10 @@ kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::
   res.new_lengths = h_new;
   res.released_blocks.resize(items.size());
   res.keep_masks.resize(items.size());
+  res.kept_counts.resize(items.size());
   for (std::size_t i = 0; i < items.size(); ++i) {
+    res.kept_counts[i].assign(h_kept.begin() + static_cast<std::ptrdiff_t>(i * rows),
+                              h_kept.begin() + static_cast<std::ptrdiff_t>((i + 1) * rows));
     const auto first = h_blocks.begin() + static_cast<std::ptrdiff_t>(i * blocks_per_item);
     res.released_blocks[i].assign(first, first + std::clamp(h_counts[i], 0, blocks_per_item));
     const auto T = static_cast<std::size_t>(c.lengths[items[i].seq]);
@@ -835,6 +848,18 @@ void print_times(const std::vector<round_times>& rounds, const std::string& gpu_
 }
 
 // Hands released blocks back, trims the table, and follows each row's kept tokens.
+// A head-adaptive selector's counts for the first sequence: one row per layer, one
+// column per KV head; the sequence keeps the largest, and each head's slots past its
+// own count are padding its attention skips (docs/integration.md, "Per-head counts").
+void print_head_counts(const options& o, i32 T, const std::vector<i32>& kept, i32 new_length) {
+  say("tokens kept per (layer, KV head) of seq 0, of {} (the sequence keeps {}, the largest):\n", T, new_length);
+  for (i32 l = 0; l < o.layers; ++l) {
+    std::string line = str("  layer {:>2}:", l);
+    for (i32 h = 0; h < o.kv_heads; ++h) line += str(" {:>5}", kept[std::size_t(l) * o.kv_heads + h]);
+    say("{}\n", line);
+  }
+}
+
 void apply_result(demo_cache& c, const kvp::compression_batch& batch, const kvp::host_result& res) {
   const options& o = c.o;
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
@@ -909,6 +934,16 @@ int run(options o) {
   }
   const device dev = *o.dev;
 
+  // Per-head counts leave each head's slots past its own count unused; a later round
+  // would need the engine's per-head valid state, which this demo does not keep.
+  const bool per_head_counts = std::visit(
+      [](const auto& p) { return kvp::ScoreDependentSelector<std::remove_cvref_t<decltype(p.select)>>; }, preset);
+  if (per_head_counts && o.rounds > 1) {
+    if (o.rounds_given)
+      throw usage_error(str("--rounds {}: preset {} keeps a count per head; the demo runs it for one round", o.rounds,
+                            o.preset));
+    o.rounds = 1;
+  }
   const i32 b = o.block_size, budget = (o.n_max - 1) * b;
   // The window the preset protects, and how many queries its scorer reads.
   const auto [protect_window, score_window] = std::visit(
@@ -1019,6 +1054,7 @@ int run(options o) {
       masks_differ += oc.diff->mask_rows_differ + oc.diff->items_differ;
       kv_differ += oc.diff->kv_rows_differ;
     }
+    if (per_head_counts) print_head_counts(o, len_before[items[0].seq], res.kept_counts[0], res.new_lengths[0]);
     if (o.show_mask) print_mask(c, 0, std::span(res.keep_masks[0]).first(static_cast<std::size_t>(len_before[0])));
     apply_result(c, batch, res);
   }
