@@ -18,6 +18,10 @@
 //   redundancy/lightning/<T>        redundancy stage only, 1 sequence, 1 layer (8 rows)
 //   redundancy/full/<T>             the same with all-pairs redundancy (quadratic)
 //   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
+//   e2e|stage/hard_kv/A[_reuse]     configuration A, hard_kv: temperatures solved at every call, or
+//                                   solved once and reused; e2e/hard_kv_rkv/A
+//   calibration/hard_kv/<I>/<T>     stage rows, every row's search run to I iterations (T = 2304, 9216),
+//                                   beside calibration/hard_kv/reuse/<T>: the epilogues' difference
 //
 // Configuration A: 16 sequences, 8 layers per launch, h_kv 8, h_q 32, d 128, b 256,
 // N_max 9 (T = 2304 tokens held, the last block full), w 16, bf16, budget
@@ -293,6 +297,10 @@ struct shape {
   kvp::dtype type = kvp::dtype::bf16;
   float near_duplicates = 0.0f;  // fraction of keys made near-copies of an earlier key of their block
   bool hnd = false;              // the same memory seen as FlashInfer's HND layout: [2, L, num_blocks, h_kv, b, d]
+  // Calibrated top-p: keep temperatures in a state view, solved by the untimed first
+  // run and reused by the timed ones (a request's later compressions); otherwise
+  // solved at every call (its first).
+  bool reuse_temperatures = false;
 
   std::int32_t tokens() const { return n_max * block_size; }             // T: full last block
   std::int32_t budget() const { return (n_max - 1) * block_size; }       // Zipage's (N_max - 1) b
@@ -314,6 +322,7 @@ struct bench_case {
   dbuf kv, kv0, q, f, f0, table, lengths, items, layer_ptrs;
   dbuf status, new_lengths, released_counts, released_blocks, keep, final_scores;
   dbuf temp;
+  dbuf temperatures, outcomes;  // calibrated top-p's state, [slots = seqs, L, h_kv]
   kvp::paged_kv_view cache{};
   kvp::query_window_view queries{};
   kvp::score_view scores{};
@@ -385,6 +394,15 @@ struct bench_case {
               released_blocks.get<std::int32_t>(), nullptr, nullptr};
     restore();
     KVP_BENCH_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // Calibrated top-p's state over this case's slots, layers and heads, all unsolved.
+  kvp::calibration_state calibration() {
+    const std::size_t n = std::size_t(s.seqs) * s.layers * s.kv_heads;
+    temperatures = dbuf(n * sizeof(float));
+    outcomes = dbuf(n * sizeof(kvp::calibration_outcome));
+    KVP_BENCH_CHECK(cudaMemset(outcomes.get(), 0, outcomes.bytes()));
+    return {temperatures.get<float>(), outcomes.get<kvp::calibration_outcome>(), s.seqs, s.layers, s.kv_heads};
   }
 
   template <class T>
@@ -507,11 +525,14 @@ void set_rate(benchmark::State& state, const std::string& prefix, double bytes, 
 // whole compression (e2e, stage) or the redundancy stage alone (redundancy); the
 // cache is restored before each iteration, outside the timed region.
 template <class P>
-void bench_pipeline(benchmark::State& state, const P& p, shape s, row_kind kind, std::int32_t groups = 0) {
+void bench_pipeline(benchmark::State& state, const P& given, shape s, row_kind kind, std::int32_t groups = 0) {
   try {
-    s.window = std::max(s.window, kvp::scorer_window(p.scorer));
+    s.window = std::max(s.window, kvp::scorer_window(given.scorer));
     stream_guard stream;
     bench_case bc(s, stream);
+    P p = given;
+    if constexpr (std::same_as<typename P::select_type, kvp::select::calibrated_top_p>)
+      if (s.reuse_temperatures) p.select.state = bc.calibration();
     bc.prepare(p);
     const std::int64_t moved = bc.count_moved(p);  // also the warm-up
     const bytes_of model = model_bytes(p, s, moved);
@@ -696,6 +717,35 @@ void register_all() {
     shape s = a;
     s.n_max = n_max;
     add_row("scale_tokens/zipage/" + std::to_string(s.tokens()), kvp::presets::zipage{}, s, row_kind::e2e, 20);
+  }
+
+  // Hard-KV: per-head counts from calibrated top-p. Temperatures solved at every call
+  // (a request's first compression) or kept and reused (its later ones); the
+  // difference in the epilogue is the temperature search.
+  {
+    shape reuse = a;
+    reuse.reuse_temperatures = true;
+    add_row("e2e/hard_kv/A", kvp::presets::hard_kv{}, a, row_kind::e2e, 30);
+    add_row("e2e/hard_kv/A_reuse", kvp::presets::hard_kv{}, reuse, row_kind::e2e, 30);
+    add_row("stage/hard_kv/A", kvp::presets::hard_kv{}, a, row_kind::stage, 30);
+    add_row("stage/hard_kv/A_reuse", kvp::presets::hard_kv{}, reuse, row_kind::stage, 30);
+    add_row("e2e/hard_kv_rkv/A", kvp::presets::hard_kv_rkv{}, a, row_kind::e2e, 3);
+    // The search's cost against its iterations and the row length: a tolerance no mass
+    // meets makes every row run all of them (after the two bound checks).
+    for (int n_max : {9, 36}) {
+      shape s = a;
+      s.n_max = n_max;
+      for (int iterations : {10, 20, 30}) {
+        kvp::presets::hard_kv p;
+        p.select.tolerance = 1e-9f;
+        p.select.iterations = iterations;
+        add_row("calibration/hard_kv/" + std::to_string(iterations) + "/" + std::to_string(s.tokens()), p, s,
+                row_kind::stage, 20);
+      }
+      s.reuse_temperatures = true;
+      add_row("calibration/hard_kv/reuse/" + std::to_string(s.tokens()), kvp::presets::hard_kv{}, s, row_kind::stage,
+              20);
+    }
   }
 
   // Head dims other than configuration A's 128: 64 runs kernels built for it, as 128

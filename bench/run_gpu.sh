@@ -13,6 +13,7 @@
 #             (DIR/bin/kvpolicy_bench, DIR/lib/libkvp_capi.so): no configure, no build
 # Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90a).
 # Writes: bench.json, reference.json (bf16), reference_fp32.json (fp32 mask check),
+#         hard_kv_reference.json (bf16), hard_kv_reference_fp32.json (fp32 counts and masks),
 #         configure.log, build.log, bench.log, reference*.log, run.log, nvidia-smi.txt
 set -uo pipefail
 
@@ -107,6 +108,11 @@ if [[ -n "$CAPI" ]]; then
     step reference_bf16 reference.log "${REF[@]}" --dtype bfloat16 --nmax 9,18,36 --iters 10 \
       --out "$OUT/reference.json"
   fi
+  # hard_kv in PyTorch: fp32 (counts and masks against kvpolicy), then bf16 (the timing).
+  HK=(python3 "$ROOT/bench/reference/hard_kv_reference.py" --lib "$CAPI" --iters 10)
+  step hard_kv_reference_fp32 hard_kv_reference_fp32.log "${HK[@]}" --dtype float32 \
+    --out "$OUT/hard_kv_reference_fp32.json"
+  step hard_kv_reference_bf16 hard_kv_reference.log "${HK[@]}" --dtype bfloat16 --out "$OUT/hard_kv_reference.json"
 else
   log "libkvp_capi.so not found under ${PREBUILT:-$BUILD}"; FAILED+=(reference)
 fi

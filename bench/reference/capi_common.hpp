@@ -77,9 +77,10 @@ inline views make_views(const kvp_capi_shape& s, void* kv, const void* q, float*
 // Calls fn(preset) with the policy the shape names.
 template <class Fn>
 auto with_policy(const kvp_capi_shape& s, Fn&& fn) {
-  kvp::require(s.policy == KVP_CAPI_ZIPAGE || s.policy == KVP_CAPI_SNAPKV, "shape.policy", "is {}; 0 zipage, 1 snapkv",
-               s.policy);
+  kvp::require(s.policy >= KVP_CAPI_ZIPAGE && s.policy <= KVP_CAPI_HARD_KV, "shape.policy",
+               "is {}; 0 zipage, 1 snapkv, 2 hard_kv", s.policy);
   if (s.policy == KVP_CAPI_SNAPKV) return fn(kvp::presets::snapkv{});
+  if (s.policy == KVP_CAPI_HARD_KV) return fn(kvp::presets::hard_kv{});
   return fn(kvp::presets::zipage{});
 }
 

@@ -1,4 +1,4 @@
-/* kvp_capi: a C face of kvpolicy's executors, for ctypes (zipage_reference.py).
+/* kvp_capi: a C face of kvpolicy's executors, for ctypes (zipage_reference.py, hard_kv_reference.py).
  *
  * Two libraries export it:
  *   libkvp_capi.so       (kvp_capi.cu)       kvp::cuda_executor, device pointers, asynchronous on a stream
@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 enum { KVP_CAPI_OK = 0, KVP_CAPI_EINVAL = 1, KVP_CAPI_ECUDA = 2, KVP_CAPI_EOTHER = 3 };
-enum { KVP_CAPI_ZIPAGE = 0, KVP_CAPI_SNAPKV = 1 };
+enum { KVP_CAPI_ZIPAGE = 0, KVP_CAPI_SNAPKV = 1, KVP_CAPI_HARD_KV = 2 };
 
 /* Must match `class KvpShape(ctypes.Structure)` in zipage_reference.py, field for field. */
 typedef struct kvp_capi_shape {
@@ -45,7 +45,8 @@ typedef struct kvp_capi_shape {
   int32_t num_items, max_tokens;        /* batch; max_tokens >= every batch sequence's length */
   int32_t layer_begin, layer_count;     /* layers [layer_begin, layer_begin + layer_count); 0 = to the end */
   int32_t dtype;                        /* 0 f16, 1 bf16, 2 f32 (kvp::dtype) */
-  int32_t policy;                       /* KVP_CAPI_ZIPAGE or KVP_CAPI_SNAPKV */
+  int32_t policy;                       /* KVP_CAPI_ZIPAGE, KVP_CAPI_SNAPKV or KVP_CAPI_HARD_KV (temperatures
+                                           solved at every call: no state kept) */
 } kvp_capi_shape;
 
 KVP_CAPI_EXPORT int kvp_capi_shape_size(void);
