@@ -2,10 +2,20 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+#include <vector>
 
 #include "kvpolicy/kvpolicy.hpp"
 
 namespace kvp_test {
+
+// A keep mask of T tokens with the listed positions kept: what hand cases expect.
+using mask = std::vector<std::uint8_t>;
+inline mask mask_of(int T, std::initializer_list<int> kept) {
+  mask m(static_cast<std::size_t>(T), 0);
+  for (int t : kept) m[static_cast<std::size_t>(t)] = 1;
+  return m;
+}
 
 // A KeyScorer whose score of token t is values[t] (at least T entries, in the memory of
 // the executor that runs it: the CUDA build of the unit tests hands the CUDA executor a

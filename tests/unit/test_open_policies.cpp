@@ -25,13 +25,8 @@ namespace {
 
 constexpr float inf = std::numeric_limits<float>::infinity();
 constexpr float nan_ = std::numeric_limits<float>::quiet_NaN();
-using mask = std::vector<std::uint8_t>;
-
-mask mask_of(int T, std::initializer_list<int> kept) {
-  mask m(static_cast<std::size_t>(T), 0);
-  for (int t : kept) m[t] = 1;
-  return m;
-}
+using kvp_test::mask;
+using kvp_test::mask_of;
 
 // Top-k whose count depends on the head: odd KV heads keep the budget, even ones the
 // budget plus the layer index (a count known before any score).

@@ -20,13 +20,8 @@ namespace {
 constexpr float inf = std::numeric_limits<float>::infinity();
 constexpr float nan_ = std::numeric_limits<float>::quiet_NaN();
 
-using mask = std::vector<std::uint8_t>;
-
-mask mask_of(int T, std::initializer_list<int> kept) {
-  mask m(static_cast<std::size_t>(T), 0);
-  for (int t : kept) m[t] = 1;
-  return m;
-}
+using kvp_test::mask;
+using kvp_test::mask_of;
 
 // Keep mask of top-k over the table scores, with the given protect.
 kvp::host_result top_k_of(const std::vector<float>& s, int k, kvp::protect pr = {.window = 0, .sinks = 0}) {
