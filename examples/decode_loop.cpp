@@ -163,52 +163,61 @@ void check_outcome(const expected_outcome& want, std::size_t i, i32 seq, i32 new
         new_length, released, want.new_lengths[i], expect));
 }
 
+// The memory both backends keep, in host or device vectors alike: K/V, the query
+// windows, F, positions, the block table and the lengths.
+template <template <class...> class Vec>
+struct cache_storage {
+  explicit cache_storage(const geometry& g)
+      : kv(g.kv_elements(), 0),
+        queries(g.query_elements(), 0),
+        f(g.token_slots(), 0.0f),
+        positions(g.token_slots(), -1),
+        table(std::size_t(g.slots) * g.max_blocks, 0),
+        lengths(g.slots, 0) {}
+  Vec<std::uint16_t> kv, queries;
+  Vec<float> f;
+  Vec<i32> positions, table, lengths;
+};
+
 // The host backend: the cache in host memory, compressed by kvp::host_executor.
 class host_backend {
  public:
   host_backend(const geometry& g, bool /*compress*/)
       : g_(g),
         policy_(policy_for(g.o)),
-        kv_(g.kv_elements(), 0),
-        queries_(g.query_elements(), 0),
-        f_(g.token_slots(), 0.0f),
-        positions_(g.token_slots(), -1),
-        table_(std::size_t(g.slots) * g.max_blocks, 0),
-        lengths_(g.slots, 0) {}
+        mem_(g) {}
 
   void write(const token_write& w) {
     const kvp::paged_kv_view c = cache();
     const i32 row = static_cast<i32>(g_.query_row());
     for (i32 l = 0; l < g_.o.layers; ++l) {
       for (i32 e = 0; e < g_.o.kv_heads * g_.o.head_dim; ++e) write_kv_element(c, w, l, e);
-      std::uint16_t* window = queries_.data() + (std::size_t(l) * g_.slots + w.seq) * g_.o.window * row;
+      std::uint16_t* window = mem_.queries.data() + (std::size_t(l) * g_.slots + w.seq) * g_.o.window * row;
       for (i32 col = 0; col < row; ++col) write_query_column(window, g_.o.window, row, w, l, col);
     }
-    write_table_entry(table_.data(), g_.max_blocks, lengths_.data(), g_.o.block, w);
+    write_table_entry(mem_.table.data(), g_.max_blocks, mem_.lengths.data(), g_.o.block, w);
   }
   void end_step(report&) {}
-  void release(i32 seq) { lengths_[seq] = 0; }
+  void release(i32 seq) { mem_.lengths[seq] = 0; }
   // Compresses the items and checks the result against the engine's expectation.
   void compress(std::span<const kvp::batch_item> items, const expected_outcome& want, report&) {
-    const auto queries = kvp::query_window_view::contiguous(queries_.data(), g_.o.layers, g_.slots, g_.o.window,
+    const auto queries = kvp::query_window_view::contiguous(mem_.queries.data(), g_.o.layers, g_.slots, g_.o.window,
                                                             g_.o.q_heads, g_.o.head_dim, kvp::dtype::bf16);
-    const auto scores = kvp::score_view::contiguous(f_.data(), g_.o.pool_blocks, g_.o.block, g_.o.kv_heads);
+    const auto scores = kvp::score_view::contiguous(mem_.f.data(), g_.o.pool_blocks, g_.o.block, g_.o.kv_heads);
     const kvp::host_result r = kvp::host_executor{}.compress(policy_, cache(), queries, scores, {.items = items});
     for (std::size_t i = 0; i < items.size(); ++i) {
       check_outcome(want, i, items[i].seq, r.new_lengths[i], r.released_blocks[i]);
-      lengths_[items[i].seq] = r.new_lengths[i];
+      mem_.lengths[items[i].seq] = r.new_lengths[i];
     }
   }
   void drain(report&) {}
 
  private:
-  kvp::paged_kv_view cache() { return g_.cache(kv_.data(), table_.data(), lengths_.data(), positions_.data()); }
+  kvp::paged_kv_view cache() { return g_.cache(mem_.kv.data(), mem_.table.data(), mem_.lengths.data(), mem_.positions.data()); }
 
   geometry g_;
   kvp::presets::zipage policy_;
-  std::vector<std::uint16_t> kv_, queries_;
-  std::vector<float> f_;
-  std::vector<i32> positions_, table_, lengths_;
+  cache_storage<std::vector> mem_;
 };
 
 }  // namespace

@@ -81,12 +81,7 @@ class gpu_backend {
   gpu_backend(const geometry& g, bool compress)
       : g_(g),
         policy_(policy_for(g.o)),
-        kv_(g.kv_elements(), 0),
-        queries_(g.query_elements(), 0),
-        f_(g.token_slots(), 0.0f),
-        positions_(g.token_slots(), -1),
-        table_(std::size_t(g.slots) * g.max_blocks, 0),
-        lengths_(g.slots, 0),
+        mem_(g),
         items_(items_per_graph),
         closed_in_(g.slots, -1) {
     cuda_check(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -184,7 +179,7 @@ class gpu_backend {
     expected_outcome want;
   };
 
-  kvp::paged_kv_view cache() { return g_.cache(raw(kv_), raw(table_), raw(lengths_), raw(positions_)); }
+  kvp::paged_kv_view cache() { return g_.cache(raw(mem_.kv), raw(mem_.table), raw(mem_.lengths), raw(mem_.positions)); }
   kvp::device_batch batch_of(i32 n) {
     return {.items = raw(items_), .num_items = n, .max_tokens = g_.max_blocks * g_.o.block};
   }
@@ -199,9 +194,9 @@ class gpu_backend {
   // One graph per batch size, all sharing one workspace (compressions run one after
   // the other on side_).
   void capture_graphs() {
-    const auto queries = kvp::query_window_view::contiguous(raw(queries_), g_.o.layers, g_.slots, g_.o.window,
+    const auto queries = kvp::query_window_view::contiguous(raw(mem_.queries), g_.o.layers, g_.slots, g_.o.window,
                                                             g_.o.q_heads, g_.o.head_dim, kvp::dtype::bf16);
-    const auto scores = kvp::score_view::contiguous(raw(f_), g_.o.pool_blocks, g_.o.block, g_.o.kv_heads);
+    const auto scores = kvp::score_view::contiguous(raw(mem_.f), g_.o.pool_blocks, g_.o.block, g_.o.kv_heads);
     const kvp::cuda_executor ex{.stream = side_};
     const i32 sizes = std::min(items_per_graph, g_.slots);
     std::size_t most = 1;
@@ -228,14 +223,14 @@ class gpu_backend {
 
   void flush() {
     if (releases_.count > 0) {
-      clear_lengths<<<1, releases_per_launch, 0, main_>>>(raw(lengths_), releases_);
+      clear_lengths<<<1, releases_per_launch, 0, main_>>>(raw(mem_.lengths), releases_);
       releases_.count = 0;
     }
     if (writes_.count > 0) {
       const dim3 grid(static_cast<unsigned>(writes_.count), static_cast<unsigned>(g_.o.layers));
-      write_tokens<<<grid, 256, 0, main_>>>(cache(), raw(queries_), g_.slots, g_.o.window,
-                                            static_cast<i32>(g_.query_row()), raw(table_), g_.max_blocks,
-                                            raw(lengths_), writes_);
+      write_tokens<<<grid, 256, 0, main_>>>(cache(), raw(mem_.queries), g_.slots, g_.o.window,
+                                            static_cast<i32>(g_.query_row()), raw(mem_.table), g_.max_blocks,
+                                            raw(mem_.lengths), writes_);
       writes_.count = 0;
     }
     cuda_check(cudaGetLastError(), "write_tokens");
@@ -266,9 +261,8 @@ class gpu_backend {
 
   geometry g_;
   kvp::presets::zipage policy_;
-  thrust::device_vector<std::uint16_t> kv_, queries_;
-  thrust::device_vector<float> f_;
-  thrust::device_vector<i32> positions_, table_, lengths_, results_;
+  cache_storage<thrust::device_vector> mem_;
+  thrust::device_vector<i32> results_;
   thrust::device_vector<kvp::batch_item> items_;
   thrust::device_vector<std::byte> temp_;
   std::vector<cudaGraphExec_t> graphs_;
