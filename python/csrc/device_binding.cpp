@@ -131,8 +131,10 @@ void compress(const policy& pol, const paged_cache& cache, nb::handle items, nb:
 }
 
 // Device memory for a framework kvpolicy cannot allocate with: freed, on the same
-// stream, when the last array over it goes.
-nb::ndarray<> device_empty(std::vector<std::size_t> shape, const std::string& type, int device, std::uintptr_t stream) {
+// stream, when the last array over it goes. Returned as nanobind's array-API object
+// (__dlpack__ and __dlpack_device__, each export a fresh capsule), not a bare DLPack
+// capsule, which a consumer could import only once and which recent PyTorch refuses.
+nb::ndarray<nb::array_api> device_empty(std::vector<std::size_t> shape, const std::string& type, int device, std::uintptr_t stream) {
   nb::dlpack::dtype t;
   if (type == "int32") t = int32_type;
   else if (type == "uint8") t = nb::dtype<std::uint8_t>();
@@ -151,7 +153,8 @@ nb::ndarray<> device_empty(std::vector<std::size_t> shape, const std::string& ty
     device_free(o->p, o->stream);
     delete o;
   });
-  return nb::ndarray<>(o->p, shape.size(), shape.data(), owner, nullptr, t, nb::device::cuda::value, device);
+  return nb::ndarray<nb::array_api>(o->p, shape.size(), shape.data(), owner, nullptr, t, nb::device::cuda::value,
+                                    device);
 }
 
 }  // namespace
