@@ -98,9 +98,14 @@ def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
     return items
 
 
-def _device_items(seqs, budgets, history_tokens, query_slots, device: int):
-    """Items built on the device by the framework of the device arrays among them (no
-    host round trip: a captured graph reads them at each replay)."""
+def _device_items(seqs, budgets, history_tokens, query_slots, device: int, stream: int):
+    """Items built on the device by the framework of the device arrays among them, on
+    the call's stream (no host round trip: a captured graph reads them at each replay).
+
+    Device arrays are used as they are (cast to int32 on the device); a Python int is
+    a fill on the device (no copy: under capture its value is part of the graph). Host
+    vectors (lists, NumPy) are copied to the device, which a CUDA graph capture cannot
+    do from pageable memory: while the stream is capturing they raise kvpolicy.Error."""
     named = {"seqs": seqs, "budgets": budgets, "history_tokens": history_tokens,
              "query_slots": seqs if query_slots is None else query_slots}
     kinds = {type(x).__module__.split(".")[0] for x in named.values() if is_device_array(x)}
@@ -110,31 +115,52 @@ def _device_items(seqs, budgets, history_tokens, query_slots, device: int):
             "(one of them), or host values (ints, lists, NumPy)",
             "seqs",
         )
-    if kinds == {"torch"}:
+    capturing = None
+    for name, x in named.items():
+        if is_device_array(x) or isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+            continue
+        if capturing is None:
+            capturing = _core.stream_is_capturing(stream)
+        if capturing:
+            raise Error(
+                f"kvpolicy: {name}: is a host array ({type(x).__name__}) while the stream is being captured into a "
+                "CUDA graph, next to items on the device; a capture cannot copy it there: pass it as a device array "
+                "(PyTorch or CuPy) or an int",
+                name,
+            )
+    framework = kinds.pop()
+    if framework == "torch":
         import torch as xp
 
         def array(x):
+            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+                return xp.full((), int(x), dtype=xp.int32, device=f"cuda:{device}")
             return xp.as_tensor(x, device=f"cuda:{device}").to(xp.int32)
     else:
         import cupy as xp
 
         def array(x):
-            with xp.cuda.Device(device):
-                return xp.asarray(x).astype(xp.int32)
+            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+                return xp.full((), int(x), dtype=xp.int32)
+            return xp.asarray(x).astype(xp.int32)
 
-    columns = {name: array(x) for name, x in named.items()}
-    n = columns["seqs"].reshape(-1).shape[0]
-    for name, x in columns.items():
-        if x.ndim > 1 or (x.ndim == 1 and x.shape[0] != n):
-            raise Error(f"kvpolicy: {name}: has shape {tuple(x.shape)}; expected an int or {n} values", name)
-    rows = [xp.broadcast_to(columns[name].reshape(-1) if columns[name].ndim else columns[name], (n,))
-            for name in ("seqs", "query_slots", "budgets", "history_tokens")]
-    return xp.stack(rows, 1)  # a new, contiguous [n, 4]
+    # Every kernel (casts, fills, the stack) on the call's stream: ordered with the
+    # compression, and recorded by a capture of that stream.
+    with DeviceAllocator(framework, device, stream).on_stream():
+        columns = {name: array(x) for name, x in named.items()}
+        n = columns["seqs"].reshape(-1).shape[0]
+        for name, x in columns.items():
+            if x.ndim > 1 or (x.ndim == 1 and x.shape[0] != n):
+                raise Error(f"kvpolicy: {name}: has shape {tuple(x.shape)}; expected an int or {n} values", name)
+        rows = [xp.broadcast_to(columns[name].reshape(-1) if columns[name].ndim else columns[name], (n,))
+                for name in ("seqs", "query_slots", "budgets", "history_tokens")]
+        return xp.stack(rows, 1)  # a new, contiguous [n, 4]
 
 
-def _items(seqs, budgets, history_tokens, query_slots, cache):
+def _items(seqs, budgets, history_tokens, query_slots, cache, stream):
     if cache.device is not None and any(is_device_array(x) for x in (seqs, budgets, history_tokens, query_slots)):
-        return _device_items(seqs, budgets, history_tokens, query_slots, cache.device)
+        return _device_items(seqs, budgets, history_tokens, query_slots, cache.device,
+                             stream_handle(stream, cache.framework, cache.device))
     return _host_items(seqs, budgets, history_tokens, query_slots)
 
 
@@ -180,11 +206,13 @@ def compress(
 
     Items may be device arrays (PyTorch or CuPy) on the device path, and are then
     read there; host values are baked into the launch (and into a captured graph).
+    Under CUDA graph capture, items next to device ones must be device arrays or ints
+    (a host list or NumPy array there raises kvpolicy.Error: it would need a copy).
 
     Raises kvpolicy.Error (``.field`` names the argument) before anything is written.
     The cache's lengths and block table are the engine's to update afterwards.
     """
-    items = _items(seqs, budgets, history_tokens, query_slots, cache)
+    items = _items(seqs, budgets, history_tokens, query_slots, cache, stream)
     return run(
         policy,
         cache,

@@ -35,9 +35,10 @@ class DeviceAllocator:
         self.framework, self.device, self.stream = framework, device, stream
 
     @contextlib.contextmanager
-    def _on_stream(self):
+    def on_stream(self):
         # The framework's allocator ties a block to its current stream: make that the
-        # call's stream while allocating, so a block is not reused before the call ends.
+        # call's stream while allocating, so a block is not reused before the call ends
+        # (and the framework's kernels, e.g. building the items, run on that stream).
         if self.framework == "torch":
             import torch
 
@@ -60,7 +61,7 @@ class DeviceAllocator:
 
     def empty(self, shape, dtype: str):
         shape = tuple(int(s) for s in shape)
-        with self._on_stream():
+        with self.on_stream():
             if self.framework == "torch":
                 import torch
 
