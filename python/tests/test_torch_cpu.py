@@ -77,7 +77,7 @@ def test_torch_compile_traces_the_op(backend):
     eager_case, eager_args = torch_case()
     table, lengths = torch.from_numpy(case.block_table), torch.from_numpy(case.lengths)
     q = torch.from_numpy(case.queries).to(torch.bfloat16)
-    policy = kvpolicy.Zipage(window=8)
+    policy = ops.policy_spec(kvpolicy.Zipage(window=8))  # a string: made outside the compiled function
     scores = torch.zeros(case.scores.shape)
     eager_scores = torch.zeros(case.scores.shape)
 
@@ -95,6 +95,31 @@ def test_torch_compile_traces_the_op(backend):
     assert torch.equal(scores, eager_scores) and scores.count_nonzero() > 0  # F written in place
     for a, b in zip(args["kv"], eager_args["kv"]):
         assert torch.equal(a, b)
+
+
+def test_a_preset_inside_torch_compile_is_refused_with_what_to_do():
+    case, args = torch_case()
+    table, lengths = torch.from_numpy(case.block_table), torch.from_numpy(case.lengths)
+    q = torch.from_numpy(case.queries).to(torch.bfloat16)
+    policy = kvpolicy.SnapKV(window=8)
+
+    def step(kv):
+        return ops.compress(policy, "vllm_flash", kv=kv, block_table=table, lengths=lengths, seqs=[0], budgets=20,
+                            queries=q).new_lengths + 0
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="policy_spec"):
+        torch.compile(step, backend="eager", fullgraph=True)(args["kv"])
+
+
+def test_policy_spec_round_trips_and_checks_a_spec():
+    spec = ops.policy_spec(kvpolicy.Zipage(window=8, alpha=0.25))
+    assert ops.policy_spec(spec) == spec and ops._policy(spec) == kvpolicy.Zipage(window=8, alpha=0.25)
+    with pytest.raises(kvpolicy.Error) as e:
+        ops.policy_spec('["zipage", {"windw": 8}]')
+    assert e.value.field == "policy"
+    with pytest.raises(kvpolicy.Error):
+        ops.policy_spec("not json")
 
 
 def test_errors_pass_through_the_op():

@@ -10,6 +10,12 @@ ints, bools and strings (the policy travels as its JSON spec).
     import kvpolicy, kvpolicy.torch_ops as ops
     r = ops.compress(kvpolicy.SnapKV(), "vllm_flash", kv=layers, block_table=bt, lengths=lens,
                      seqs=torch.tensor([0, 2]), budgets=256, queries=q)
+
+Under torch.compile pass the policy as its spec, made outside the compiled function:
+``spec = ops.policy_spec(kvpolicy.SnapKV())``, then ``ops.compress(spec, ...)`` inside
+it. A preset is an extension object Dynamo cannot read (torch 2.11 stops on it; newer
+releases bake it in by identity, so a later change of its fields would go unseen); a
+spec is a string, which Dynamo guards by value: another spec recompiles.
 """
 
 from __future__ import annotations
@@ -22,15 +28,22 @@ from torch import Tensor
 
 from . import _core
 from ._compress import CompressResult, run
+from .errors import Error
 
 _OUTPUTS = ("status", "new_lengths", "released_counts", "released_blocks", "kept_counts", "nonfinite_scores", "keep_masks")
 
 
-# Traced by torch.compile as the constant it is (Dynamo cannot step into the
-# extension's methods).
-@torch.compiler.assume_constant_result
 def policy_spec(policy) -> str:
-    """The policy as the op's string argument: its preset name and every parameter."""
+    """The policy as the op's string argument: its preset name and every parameter.
+
+    Call it outside a torch.compile'd function and pass the string to ``compress``
+    there (Dynamo cannot step into the extension's methods). A spec is returned as is.
+    """
+    if isinstance(policy, str):
+        _policy(policy)  # checked now, not inside the op
+        return policy
+    if not (hasattr(policy, "name") and hasattr(policy, "params")):
+        raise Error(f"kvpolicy: policy: is a {type(policy).__name__}; expected a preset or its spec", "policy")
     return json.dumps([policy.name, policy.params()], sort_keys=True)
 
 
@@ -39,8 +52,13 @@ def _policy(spec: str):
     # extension at interpreter exit.
     import kvpolicy
 
-    name, params = json.loads(spec)
-    return kvpolicy.preset(name, **params)
+    try:
+        name, params = json.loads(spec)
+        return kvpolicy.preset(name, **params)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, Error):
+            raise
+        raise Error(f"kvpolicy: policy: the spec {spec!r} is not one policy_spec made ({e})", "policy") from None
 
 
 def _cache_arg(layout: str, tensors: List[Tensor]):
@@ -131,7 +149,7 @@ def _(policy, layout, kv, k, v, block_table, block_indptr, block_indices, length
 
 
 def compress(
-    policy,
+    policy,  # a preset, or its spec (policy_spec): under torch.compile, the spec
     layout: str,
     *,
     kv=None,
@@ -158,7 +176,21 @@ def compress(
 
     Traceable by torch.compile and capturable in a CUDA graph: it never waits for the
     device, so device-side validation errors are in ``result.status`` (``result.check()``).
+    ``policy`` is a preset or its spec string (``policy_spec(preset)``); under
+    torch.compile it must be the spec, made outside the compiled function.
+    Items: ints, tensors, or lists; while a CUDA graph is captured with ``seqs`` on
+    the device, the others must be ints or device tensors (a list would need a copy).
     """
+    if isinstance(policy, str):
+        spec = policy  # checked when the op builds it (no host work while tracing)
+    elif torch.compiler.is_compiling():
+        # A builtin exception: Dynamo traces its construction (not kvpolicy.Error's).
+        raise TypeError(
+            "kvpolicy.torch_ops.compress: policy: is a preset inside a torch.compile'd function; make its spec "
+            "outside it (spec = kvpolicy.torch_ops.policy_spec(preset)) and pass the spec"
+        )
+    else:
+        spec = policy_spec(policy)
 
     def listed(x):
         return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
@@ -171,18 +203,30 @@ def compress(
     on = seq.device if seq.device.type != "cpu" else torch.device("cpu")
     n = seq.shape[0]
 
-    def col(x):
+    def col(x, name):
+        if isinstance(x, Tensor):
+            return x.to(device=on, dtype=torch.int32).expand(n)
+        if isinstance(x, int):  # a fill where the items are: no copy (capturable)
+            return torch.full((n,), x, dtype=torch.int32, device=on)
+        if on.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+            raise Error(
+                f"kvpolicy.torch_ops.compress: {name}: is a host {type(x).__name__} while a CUDA graph is being "
+                "captured and seqs is on the device; a capture cannot copy it: pass a device tensor or an int",
+                name,
+            )
         return torch.as_tensor(x, dtype=torch.int32, device=on).expand(n)
 
     items = torch.stack(
-        [col(seq), col(seq if query_slots is None else query_slots), col(budgets), col(history_tokens)], dim=1
+        [col(seq, "seqs"), col(seq if query_slots is None else query_slots, "query_slots"), col(budgets, "budgets"),
+         col(history_tokens, "history_tokens")],
+        dim=1,
     ).contiguous()
     _, block, _ = _sizes(layout, tensors)
     if max_tokens is None:
         room = block_table.shape[1] if block_table is not None else block_indices.shape[0]
         max_tokens = int(room) * block
     out = torch.ops.kvpolicy.compress(
-        policy_spec(policy), layout, listed(kv), listed(k), listed(v), block_table, block_indptr, block_indices,
+        spec, layout, listed(kv), listed(k), listed(v), block_table, block_indptr, block_indices,
         lengths, queries, scores, positions, items, layer_begin, layer_count, max_tokens, return_masks,
     )
     fields = dict(zip(_OUTPUTS, out))
