@@ -4,6 +4,7 @@ Skipped without a GPU, PyTorch with CUDA, or a kvpolicy built with CUDA
 (python/scripts/gpu_check.sh runs them on the GPU machine)."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -126,19 +127,36 @@ def test_streams_and_workspace():
     assert e.value.field == "workspace"
 
 
+def captured(fn):
+    """Captures fn() into a new CUDA graph; returns (graph, fn's result). Fails if the
+    capture recorded nothing (the work ran on a stream other than the capturing one)."""
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.cuda.graph(graph):
+            result = fn()
+    empty = [w for w in seen if "empty" in str(w.message)]
+    assert not empty, f"the capture recorded nothing: {empty[0].message}"
+    return graph, result
+
+
 def test_cuda_graph_capture_and_replay():
     case = make_case(lengths=(64, 57, 50), window=16, head_dim=64, block_size=16, seed=34)
     eager, graphed = Twin(case, "cuda"), Twin(case, "cuda")
     policy = kvpolicy.Zipage()
     seqs = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
-    want = eager.compress(policy, seqs=seqs, budgets=32, return_masks=True)
+    budgets = torch.tensor([32, 24], dtype=torch.int32, device="cuda")
+    want = eager.compress(policy, seqs=seqs, budgets=budgets, return_masks=True)
 
     warm = Twin(case, "cuda")  # the first call loads the kernels: outside the capture
     warm.compress(policy, seqs=seqs, budgets=32)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = graphed.compress(policy, seqs=seqs, budgets=32, return_masks=True, check=False)
+    before = graphed.canonical()
+    # Device items and an int (a fill on the device): no host-to-device copy in the capture.
+    graph, got = captured(lambda: graphed.compress(policy, seqs=seqs, budgets=budgets, history_tokens=0,
+                                                   return_masks=True, check=False))
+    torch.cuda.synchronize()
+    assert np.array_equal(graphed.canonical(), before)  # captured, not run
     graph.replay()
     torch.cuda.synchronize()
     got.check()
@@ -148,14 +166,43 @@ def test_cuda_graph_capture_and_replay():
 
     # The items are read on the device at each replay: another batch, the same graph.
     seqs.copy_(torch.tensor([1, 0], dtype=torch.int32))
+    budgets.copy_(torch.tensor([20, 16], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
     got.check()
-    assert got.new_lengths.tolist() == [32, 32]
-    with pytest.raises(kvpolicy.Error) as e:  # a check inside a capture would wait for the device
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            graphed.compress(policy, seqs=seqs, budgets=32)
-    assert e.value.field == "check"
+    assert got.new_lengths.tolist() == [20, 16]
+
+    # All items on the host: kernel arguments, fixed at capture (no copy either).
+    hosted = Twin(case, "cuda")
+    graph, got = captured(lambda: hosted.compress(policy, seqs=[0, 2], budgets=[32, 24], return_masks=True,
+                                                  check=False))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got.check().new_lengths, want.new_lengths) and torch.equal(got.keep_masks, want.keep_masks)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The CUDA Graph is empty")  # these captures stop before any work
+        with pytest.raises(kvpolicy.Error) as e:  # a host list next to device items would need a copy
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                graphed.compress(policy, seqs=seqs, budgets=[32, 24], check=False)
+        assert e.value.field == "budgets" and "device array" in str(e.value)
+        with pytest.raises(kvpolicy.Error) as e:  # a check inside a capture would wait for the device
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                graphed.compress(policy, seqs=seqs, budgets=32)
+        assert e.value.field == "check"
+
+
+def test_items_are_built_on_the_call_stream():
+    case = make_case(lengths=(40, 33), window=8, seed=38)
+    a, b = Twin(case, "cuda"), Twin(case, "cuda")
+    policy = kvpolicy.SnapKV(window=8)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    seqs = torch.tensor([0, 1], device="cuda")  # int64: cast on the device, on `side`
+    ra = a.compress(policy, seqs=seqs, budgets=20, history_tokens=[0, 0], return_masks=True, stream=side)
+    rb = b.compress(policy, seqs=[0, 1], budgets=20, return_masks=True)
+    side.synchronize()
+    assert torch.equal(ra.keep_masks, rb.keep_masks) and ra.new_lengths.tolist() == [20, 20]
 
 
 def test_the_op_in_a_cuda_graph_and_under_torch_compile():
@@ -163,19 +210,18 @@ def test_the_op_in_a_cuda_graph_and_under_torch_compile():
 
     case = make_case(lengths=(64, 57), window=16, head_dim=64, block_size=16, seed=35)
     eager, graphed, compiled = Twin(case, "cuda"), Twin(case, "cuda"), Twin(case, "cuda")
-    policy = kvpolicy.SnapKV(window=16)
+    spec = ops.policy_spec(kvpolicy.SnapKV(window=16))  # outside the compiled function: a string
+    seqs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
 
     def step(t):
-        r = ops.compress(policy, LAYOUT, kv=t.args["kv"], block_table=t.table, lengths=t.lengths, seqs=[0, 1],
+        r = ops.compress(spec, LAYOUT, kv=t.args["kv"], block_table=t.table, lengths=t.lengths, seqs=seqs,
                          budgets=40, queries=t.queries, positions=t.positions, return_masks=True)
         return r.new_lengths, r.keep_masks
 
     want_lengths, want_masks = step(eager)
     step(Twin(case, "cuda"))  # warm-up outside the capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lengths, masks = step(graphed)
+    graph, (lengths, masks) = captured(lambda: step(graphed))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(lengths, want_lengths) and torch.equal(masks, want_masks)
@@ -234,7 +280,9 @@ def test_any_dlpack_framework_gets_results_it_can_import():
     r = kvpolicy.compress(kvpolicy.SnapKV(window=8), cache, seqs=[0, 1], budgets=24, queries=Foreign(dev.queries),
                           return_masks=True)  # results and workspace from cudaMallocAsync
     want = ref.compress(kvpolicy.SnapKV(window=8), seqs=[0, 1], budgets=24, return_masks=True)
+    assert hasattr(r.keep_masks, "__dlpack__") and int(r.keep_masks.__dlpack_device__()[0]) == 2  # not a capsule
     assert torch.equal(torch.from_dlpack(r.keep_masks), want.keep_masks)
     assert torch.equal(torch.from_dlpack(r.new_lengths), want.new_lengths)
+    assert torch.equal(torch.from_dlpack(r.new_lengths), want.new_lengths)  # exported again: a new capsule each time
     r.check()
     assert np.array_equal(dev.canonical(), ref.canonical())
