@@ -90,7 +90,18 @@ std::size_t workspace_bytes(const policy& pol, const paged_cache& cache, nb::han
   call_args a;
   describe_call(a, cache, items, queries, scores, layer_begin, layer_count, max_tokens, 0);
   a.call.masks = return_masks;
-  return std::visit([&](const auto& p) { return device_workspace_bytes(p, a.call); }, pol);
+  return std::visit(
+      [&](const auto& p) -> std::size_t {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (on_device_path<P>) {
+          return device_workspace_bytes(p, a.call);
+        } else {
+          kvp::require(false, "policy", "is {}; its CUDA path is not built yet: compress host arrays with it",
+                       preset_name<P>());
+          return 0;
+        }
+      },
+      pol);
 }
 
 void compress(const policy& pol, const paged_cache& cache, nb::handle items, nb::handle queries, nb::handle scores,
@@ -126,7 +137,17 @@ void compress(const policy& pol, const paged_cache& cache, nb::handle items, nb:
   require_place(place_of(ws, "workspace"), place{true, c.device_id}, "workspace");
   require(ws.ndim() == 1 && (ws.shape(0) <= 1 || ws.stride(0) == 1), "workspace",
           "has shape {} and strides {}; expected a contiguous 1-D array", shape_of(ws), strides_of(ws));
-  std::visit([&](const auto& p) { device_compress(p, call, o, ws.data(), ws.nbytes()); }, pol);
+  std::visit(
+      [&](const auto& p) {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (on_device_path<P>) {
+          device_compress(p, call, o, ws.data(), ws.nbytes());
+        } else {
+          kvp::require(false, "policy", "is {}; its CUDA path is not built yet: compress host arrays with it",
+                       preset_name<P>());
+        }
+      },
+      pol);
   if (check) check_status(o.status, call.stream);  // kvpolicy.compress refuses check under capture
 }
 

@@ -1,9 +1,10 @@
-// The policies the package exposes: the six presets, as one value type. Plain C++
+// The policies the package exposes: the eight presets, as one value type. Plain C++
 // (no nanobind), so the nvcc-compiled device path and the bindings share it.
 #pragma once
 
 #include <cstddef>
 #include <string_view>
+#include <type_traits>
 #include <variant>
 
 #include <kvpolicy/pipeline/presets.hpp>
@@ -11,7 +12,14 @@
 namespace kvpy {
 
 using policy = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::presets::gkv, kvp::presets::snapkv,
-                            kvp::presets::h2o, kvp::presets::streaming_llm>;
+                            kvp::presets::h2o, kvp::presets::streaming_llm, kvp::presets::hard_kv,
+                            kvp::presets::hard_kv_rkv>;
+
+// Whether the device path is compiled for P (python/CMakeLists.txt, one TU each).
+// Hard-KV runs on the host path only for now.
+template <class P>
+inline constexpr bool on_device_path =
+    !std::is_same_v<P, kvp::presets::hard_kv> && !std::is_same_v<P, kvp::presets::hard_kv_rkv>;
 
 // The preset's name as kvp::presets spells it ("zipage", "streaming_llm").
 template <class P>
@@ -21,6 +29,8 @@ constexpr std::string_view preset_name() noexcept {
   else if constexpr (std::is_same_v<P, kvp::presets::gkv>) return "gkv";
   else if constexpr (std::is_same_v<P, kvp::presets::snapkv>) return "snapkv";
   else if constexpr (std::is_same_v<P, kvp::presets::h2o>) return "h2o";
+  else if constexpr (std::is_same_v<P, kvp::presets::hard_kv>) return "hard_kv";
+  else if constexpr (std::is_same_v<P, kvp::presets::hard_kv_rkv>) return "hard_kv_rkv";
   else return "streaming_llm";
 }
 

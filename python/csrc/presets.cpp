@@ -160,6 +160,28 @@ void redundancy_knobs(std::vector<knob<P>>& k) {
                            form_names, [](P& p) -> auto& { return p.redundancy.form; }));
 }
 
+// Calibrated top-p (Hard-KV): without a calibration state, temperatures are solved at
+// every compression.
+template <class P>
+void calibrated_knobs(std::vector<knob<P>>& k) {
+  k.push_back(float_knob<P>("p", "the attention mass each head's kept set carries (select.p)",
+                            [](P& p) -> auto& { return p.select.p; }));
+  k.push_back(float_knob<P>("tolerance", "accepted |calibrated top-n_p mass - p| (select.tolerance)",
+                            [](P& p) -> auto& { return p.select.tolerance; }));
+  k.push_back(float_knob<P>("t_min", "lowest temperature searched (select.t_min)",
+                            [](P& p) -> auto& { return p.select.t_min; }));
+  k.push_back(float_knob<P>("t_max", "highest temperature searched (select.t_max)",
+                            [](P& p) -> auto& { return p.select.t_max; }));
+  k.push_back(int_knob<P>("iterations", "bisection steps at most (select.iterations)",
+                          [](P& p) -> auto& { return p.select.iterations; }));
+  k.push_back(int_knob<P>("upper", "at most this many tokens per head, protected included; 0: no cap (select.upper)",
+                          [](P& p) -> auto& { return p.select.upper; }));
+  k.push_back(int_knob<P>("lower", "at least this many tokens per head; 0: off (select.lower)",
+                          [](P& p) -> auto& { return p.select.lower; }));
+  k.push_back(bool_knob<P>("union_top_k", "also keep the top (budget - protected) by score (select.union_top_k)",
+                           [](P& p) -> auto& { return p.select.union_top_k; }));
+}
+
 template <class P>
 std::vector<knob<P>> knobs_of() {
   using namespace kvp::presets;
@@ -184,6 +206,13 @@ std::vector<knob<P>> knobs_of() {
       redundancy_knobs(k);
     } else if constexpr (std::is_same_v<P, snapkv>) {
       pool_knobs(k, [](P& p) -> auto& { return p.aggregate; });
+    } else if constexpr (std::is_same_v<P, hard_kv>) {
+      pool_knobs(k, [](P& p) -> auto& { return p.aggregate; });
+      calibrated_knobs(k);
+    } else if constexpr (std::is_same_v<P, hard_kv_rkv>) {
+      pool_knobs(k, [](P& p) -> auto& { return p.aggregate; });
+      redundancy_knobs(k);
+      calibrated_knobs(k);
     }
     // h2o: accumulate has no parameter.
   }
@@ -269,6 +298,15 @@ void register_presets(nb::module_& m) {
       m, "SnapKV", "SnapKV: window attention (group mean, window sum, w 32) -> max pool 7 -> top-k -> compact.");
   bind_preset<kvp::presets::h2o>(
       m, "H2O", "H2O: window attention summed over the window (w 16) -> accumulated in F -> top-k -> compact.");
+  bind_preset<kvp::presets::hard_kv>(
+      m, "HardKV",
+      "Hard-KV with SnapKV's scores: window attention (group max_logits, mean, w 8) -> max pool 7 -> calibrated "
+      "top-p (p 0.9, at most 2048 per head; temperatures solved at every call) -> compact, each KV head to its own "
+      "count (kept_counts). Protects the last 32 tokens and 1 sink. Host arrays only for now.");
+  bind_preset<kvp::presets::hard_kv_rkv>(
+      m, "HardKVRKV",
+      "Hard-KV with R-KV's scores: R-KV's stages (keys before the window, max pool 7, full redundancy tau 1, lambda "
+      "0.1) -> calibrated top-p as HardKV -> compact, each KV head to its own count. Host arrays only for now.");
   bind_preset<kvp::presets::streaming_llm>(
       m, "StreamingLLM", "StreamingLLM: no scores; keeps the first `sinks` tokens and the most recent ones -> compact.");
 }

@@ -11,17 +11,18 @@ caller's stream. ``kvpolicy.torch_ops`` registers the call as a PyTorch custom o
 """
 
 from . import errors  # first: the compiled core raises kvpolicy.errors.Error
-from ._core import GKV, H2O, LAYOUTS, RKV, PagedCache, SnapKV, StreamingLLM, Zipage, has_cuda
+from ._core import GKV, H2O, LAYOUTS, RKV, HardKV, HardKVRKV, PagedCache, SnapKV, StreamingLLM, Zipage, has_cuda
 from ._compress import CompressResult, compress, workspace_bytes
 from .errors import Error
 
 __version__ = "0.1.0"
 
-PRESETS = {cls.name: cls for cls in (Zipage, RKV, GKV, SnapKV, H2O, StreamingLLM)}
+PRESETS = {cls.name: cls for cls in (Zipage, RKV, GKV, SnapKV, H2O, StreamingLLM, HardKV, HardKVRKV)}
 
 
 def preset(name: str, **overrides):
-    """The preset called ``name`` ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm"),
+    """The preset called ``name`` ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm",
+    "hard_kv", "hard_kv_rkv"),
     its published parameters overridden by keyword: ``preset("zipage", window=8)``."""
     try:
         cls = PRESETS[name]
@@ -35,6 +36,8 @@ __all__ = [
     "Error",
     "GKV",
     "H2O",
+    "HardKV",
+    "HardKVRKV",
     "LAYOUTS",
     "PRESETS",
     "PagedCache",
