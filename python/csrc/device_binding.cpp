@@ -92,14 +92,7 @@ std::size_t workspace_bytes(const policy& pol, const paged_cache& cache, nb::han
   a.call.masks = return_masks;
   return std::visit(
       [&](const auto& p) -> std::size_t {
-        using P = std::decay_t<decltype(p)>;
-        if constexpr (on_device_path<P>) {
-          return device_workspace_bytes(p, a.call);
-        } else {
-          kvp::require(false, "policy", "is {}; its CUDA path is not built yet: compress host arrays with it",
-                       preset_name<P>());
-          return 0;
-        }
+        return device_workspace_bytes(p, a.call);
       },
       pol);
 }
@@ -138,15 +131,7 @@ void compress(const policy& pol, const paged_cache& cache, nb::handle items, nb:
   require(ws.ndim() == 1 && (ws.shape(0) <= 1 || ws.stride(0) == 1), "workspace",
           "has shape {} and strides {}; expected a contiguous 1-D array", shape_of(ws), strides_of(ws));
   std::visit(
-      [&](const auto& p) {
-        using P = std::decay_t<decltype(p)>;
-        if constexpr (on_device_path<P>) {
-          device_compress(p, call, o, ws.data(), ws.nbytes());
-        } else {
-          kvp::require(false, "policy", "is {}; its CUDA path is not built yet: compress host arrays with it",
-                       preset_name<P>());
-        }
-      },
+      [&](const auto& p) { device_compress(p, call, o, ws.data(), ws.nbytes()); },
       pol);
   if (check) check_status(o.status, call.stream);  // kvpolicy.compress refuses check under capture
 }

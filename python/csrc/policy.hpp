@@ -15,12 +15,6 @@ using policy = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::preset
                             kvp::presets::h2o, kvp::presets::streaming_llm, kvp::presets::hard_kv,
                             kvp::presets::hard_kv_rkv>;
 
-// Whether the device path is compiled for P (python/CMakeLists.txt, one TU each).
-// Hard-KV runs on the host path only for now.
-template <class P>
-inline constexpr bool on_device_path =
-    !std::is_same_v<P, kvp::presets::hard_kv> && !std::is_same_v<P, kvp::presets::hard_kv_rkv>;
-
 // The preset's name as kvp::presets spells it ("zipage", "streaming_llm").
 template <class P>
 constexpr std::string_view preset_name() noexcept {

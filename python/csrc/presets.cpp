@@ -302,11 +302,11 @@ void register_presets(nb::module_& m) {
       m, "HardKV",
       "Hard-KV with SnapKV's scores: window attention (group max_logits, mean, w 8) -> max pool 7 -> calibrated "
       "top-p (p 0.9, at most 2048 per head; temperatures solved at every call) -> compact, each KV head to its own "
-      "count (kept_counts). Protects the last 32 tokens and 1 sink. Host arrays only for now.");
+      "count (kept_counts). Protects the last 32 tokens and 1 sink.");
   bind_preset<kvp::presets::hard_kv_rkv>(
       m, "HardKVRKV",
       "Hard-KV with R-KV's scores: R-KV's stages (keys before the window, max pool 7, full redundancy tau 1, lambda "
-      "0.1) -> calibrated top-p as HardKV -> compact, each KV head to its own count. Host arrays only for now.");
+      "0.1) -> calibrated top-p as HardKV -> compact, each KV head to its own count.");
   bind_preset<kvp::presets::streaming_llm>(
       m, "StreamingLLM", "StreamingLLM: no scores; keeps the first `sinks` tokens and the most recent ones -> compact.");
 }

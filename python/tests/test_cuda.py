@@ -22,7 +22,8 @@ pytestmark = [
     pytest.mark.skipif(not REQUIRED and not kvpolicy.has_cuda, reason="kvpolicy built without its CUDA path"),
 ]
 
-PRESETS = [kvpolicy.Zipage, kvpolicy.RKV, kvpolicy.GKV, kvpolicy.SnapKV, kvpolicy.H2O, kvpolicy.StreamingLLM]
+PRESETS = [kvpolicy.Zipage, kvpolicy.RKV, kvpolicy.GKV, kvpolicy.SnapKV, kvpolicy.H2O, kvpolicy.StreamingLLM,
+           kvpolicy.HardKV, kvpolicy.HardKVRKV]
 LAYOUT = "vllm_flash"
 
 
@@ -286,11 +287,3 @@ def test_any_dlpack_framework_gets_results_it_can_import():
     assert torch.equal(torch.from_dlpack(r.new_lengths), want.new_lengths)  # exported again: a new capsule each time
     r.check()
     assert np.array_equal(dev.canonical(), ref.canonical())
-
-
-def test_hard_kv_on_a_cuda_cache_says_it_runs_on_the_host():
-    case = make_case(lengths=(40, 33), window=8, seed=39)
-    dev = Twin(case, "cuda")
-    with pytest.raises(kvpolicy.Error) as e:
-        dev.compress(kvpolicy.HardKV(), seqs=[0], budgets=20)
-    assert e.value.field == "policy" and "host" in str(e.value)
