@@ -234,6 +234,32 @@ TEST_CASE("calibrated top-p: a solved temperature is reused, per slot, layer and
   CHECK(st.temperature[static_cast<std::size_t>(at)] != 0.05f);
 }
 
+TEST_CASE("calibrated top-p: an entry that had no mass is searched once there is some") {
+  // A head with no raw mass leaves `no_mass` and no temperature; its next compression,
+  // with mass, searches instead of dividing by the missing temperature.
+  std::vector<float> s, raw;
+  random_row(5, 200, s, raw);
+  state_arrays st(1, 1, 1);
+  const calibrated_top_p sel{.upper = 0, .state = st.view};
+  keep_count(sel, s, std::vector<float>(200, 0.0f), 0);
+  REQUIRE(st.outcome[0] == calibration_outcome::no_mass);
+  const int count = keep_count(sel, s, raw, 0);
+  REQUIRE(st.outcome[0] == calibration_outcome::converged);
+  CHECK(st.temperature[0] > 0.0f);
+  CHECK(count == reference_row(s, raw).calibrated_count(0.9, st.temperature[0]));
+}
+
+TEST_CASE("calibrated top-p: at p 1 the count stays within the selectable tokens") {
+  // NaN scores are never selectable; a mass of the whole row, summed in another order,
+  // may fall short by rounding and run into them: the count stops at the selectable ones.
+  std::vector<float> s, raw;
+  random_row(9, 300, s, raw);
+  for (int t = 0; t < 300; t += 7) s[static_cast<std::size_t>(t)] = std::numeric_limits<float>::quiet_NaN();
+  int selectable = 0;
+  for (float x : s) selectable += std::isfinite(x) ? 1 : 0;
+  for (float p : {0.999f, 1.0f}) CHECK(keep_count(calibrated_top_p{.p = p, .upper = 0}, s, raw, 0) <= selectable);
+}
+
 TEST_CASE("calibrated top-p: protected tokens, caps, the top-k union") {
   std::vector<float> s, raw;
   random_row(11, 400, s, raw);

@@ -40,6 +40,9 @@ struct raw_weight {
     return selectable(x) && x.raw > 0.0f ? x.raw : 0.0f;
   }
 };
+struct selectable_count {
+  KVP_HOST_DEVICE float operator()(const row_token& x) const { return selectable(x) ? 1.0f : 0.0f; }
+};
 struct score_key {
   KVP_HOST_DEVICE float operator()(const row_token& x) const { return selectable(x) ? x.score : -__builtin_huge_valf(); }
 };
@@ -110,7 +113,9 @@ struct calibrated_top_p {
       const bool stored = !state.empty() && reuse;
       const std::int64_t at = state.empty() ? 0 : state.index(row.slot(), row.head());
       float T = 0.0f;
-      if (stored && state.outcome[at] != calibration_outcome::unsolved) {
+      // An entry without a temperature (unsolved, or no mass when it was searched) is searched.
+      const calibration_outcome was = state.empty() ? calibration_outcome::unsolved : state.outcome[at];
+      if (stored && was != calibration_outcome::unsolved && was != calibration_outcome::no_mass) {
         T = state.temperature[at];
       } else {
         const rank_cut cut = row.top(c::score_key{}, n_p);
@@ -122,8 +127,10 @@ struct calibrated_top_p {
       }
       const c::tempered e{top, unit / T};
       selected = row.fewest_reaching(c::score_key{}, e, p * row.sum(e));
-      // Past the selectable tokens fewest_reaching counts the rest of the row.
-      selected = selected < row.size() - must ? selected : row.size() - must;
+      // A mass within rounding of the whole (p near 1) can run past the selectable
+      // tokens, into those that are never kept.
+      const auto candidates = static_cast<std::int32_t>(row.sum(c::selectable_count{}));
+      selected = selected < candidates ? selected : candidates;
     } else if (!state.empty()) {
       const std::int64_t at = state.index(row.slot(), row.head());
       if (!reuse || state.outcome[at] == calibration_outcome::unsolved)
