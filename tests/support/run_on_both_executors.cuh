@@ -188,8 +188,9 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
     // pointed at another sequence's blocks (a shared prefix).
     for (i32 j = 0; j < targets.count(i); ++j)
       r.unshared_blocks[i].push_back(tc.raw_table()[tc.table_index(items[i].seq, j)]);
-    // Device rows are [item][layer][head] with a pitch of max_tokens; the host's are T long.
-    const i32 T = tc.length(items[i].seq);
+    // Device rows are [item][layer][head] with a pitch of max_tokens; the host's are T
+    // long (the window's tokens, for a window-only layout).
+    const i32 T = tc.length(items[i].seq) - items[i].window_begin;
     for (i32 row = 0; row < layers * H; ++row) {
       const std::size_t at = (std::size_t(i) * layers * H + row) * max_tokens;
       r.keep_masks[i].insert(r.keep_masks[i].end(), h_keep.begin() + at, h_keep.begin() + at + T);

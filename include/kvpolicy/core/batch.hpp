@@ -16,6 +16,11 @@ struct batch_item {
   // sequence never compressed, the previous budget otherwise (Zipage alg. 2: all
   // but the blocks appended since).
   std::int32_t history_tokens = 0;
+  // Window-only layouts (layout::window_compact, Kara): the window's first token, a
+  // multiple of the block size. Tokens before it are neither read nor written; the
+  // pipeline sees [window_begin, T) as the whole sequence, so the budget, query
+  // window and history count within it. 0 for every other layout.
+  std::int32_t window_begin = 0;
 
   constexpr bool compressed_before() const noexcept { return history_tokens > 0; }
 };

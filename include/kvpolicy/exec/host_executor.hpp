@@ -20,6 +20,7 @@
 #include "kvpolicy/exec/host/redundancy.hpp"
 #include "kvpolicy/exec/host/scores.hpp"
 #include "kvpolicy/exec/host/select.hpp"
+#include "kvpolicy/exec/host/window.hpp"
 #include "kvpolicy/exec/result.hpp"
 #include "kvpolicy/exec/validate.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"
@@ -51,11 +52,36 @@ struct host_executor {
   // Compresses every (item, layer, KV head) of the batch in place: scores, keeps
   // the selected tokens, moves them (and F) per the layout. Throws kvp::error
   // before writing anything when an input is malformed.
+  // A window-only layout (layout::window_compact) compresses [window_begin, T) of
+  // each item as if it were the whole sequence; its masks and scores cover the window.
   template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
   host_result compress(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
                        const query_window_view& queries, const score_view& scores,
                        const compression_batch& batch) const {
     validate_shapes(p, cache, queries, scores, batch);
+    validate_windows(p, cache, batch);
+    if constexpr (window_only<L>()) {
+      const host::window_rows windows(cache, batch.items);
+      host_result out = compress_rows(p, windows.view(), queries, scores, batch);
+      windows.restore(out, cache, batch.items);
+      return out;
+    } else {
+      return compress_rows(p, cache, queries, scores, batch);
+    }
+  }
+
+  // For pipelines that read neither queries nor F.
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  host_result compress(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
+                       const compression_batch& batch) const {
+    return compress(p, cache, query_window_view{}, score_view{}, batch);
+  }
+
+ private:
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  host_result compress_rows(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
+                            const query_window_view& queries, const score_view& scores,
+                            const compression_batch& batch) const {
     validate_batch(p, cache, queries, batch);
     const layer_range layers = resolve_layers(batch, cache);
     const std::int32_t H = cache.num_kv_heads, d = cache.head_dim, b = cache.block_size;
@@ -141,8 +167,14 @@ struct host_executor {
           timed(stage::select, [&] {
             out.nonfinite_scores[i] += host::count_nonfinite(cand);
             host::apply_protect(p.protect, s, n);
-            kept = host::keep_count(p.select, s, raw, n, must, it.budget, head, it.query_slot);
-            keep = host::select_top(p.select, s, kept);
+            if constexpr (PatternSelector<Sel>) {
+              keep.assign(static_cast<std::size_t>(T), 1);  // the non-candidates stay
+              p.select.keep_pattern(cand, it.budget, std::span<std::uint8_t>(keep.data(), static_cast<std::size_t>(n)));
+              kept = T - n + p.select.region_keep(n, it.budget);
+            } else {
+              kept = host::keep_count(p.select, s, raw, n, must, it.budget, head, it.query_slot);
+              keep = host::select_top(p.select, s, kept);
+            }
           });
           out.kept_counts[i][row] = kept;
           if (record_scores) std::copy(s.begin(), s.end(), out.scores[i].begin() + row * T);
@@ -163,13 +195,6 @@ struct host_executor {
       for (std::int32_t blk = 0; blk < to.shared; ++blk) out.unshared_blocks[i].push_back(cache.table.block(it.seq, blk));
     }
     return out;
-  }
-
-  // For pipelines that read neither queries nor F.
-  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
-  host_result compress(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
-                       const compression_batch& batch) const {
-    return compress(p, cache, query_window_view{}, score_view{}, batch);
   }
 };
 

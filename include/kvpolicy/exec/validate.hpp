@@ -143,8 +143,47 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   }
   require(p.protect.window >= 0, "pipeline.protect.window", "is {}; must not be negative", p.protect.window);
   require(p.protect.sinks >= 0, "pipeline.protect.sinks", "is {}; must not be negative", p.protect.sinks);
+  if constexpr (requires { p.scorer.buffer; }) {
+    require(p.scorer.buffer >= 0 && p.scorer.buffer < p.scorer.window, "pipeline.scorer.buffer",
+            "is {}; the buffer is part of the window of {} tokens and leaves some to compress", p.scorer.buffer,
+            p.scorer.window);
+  }
+  if constexpr (PatternSelector<typename P::select_type>) {
+    // The pattern covers the candidates whole; what is never evicted is the rest.
+    require(p.protect.window == 0 && p.protect.sinks == 0, "pipeline.protect",
+            "is (window {}, sinks {}); a pattern selector keeps its own tokens and needs both 0", p.protect.window,
+            p.protect.sinks);
+  }
   // A selector's own parameters and state (docs/extending.md, "A policy's own checks").
   if constexpr (requires { p.select.validate(cache, queries); }) p.select.validate(cache, queries);
+}
+
+// Each item's window (batch_item::window_begin), before anything reads it: a
+// multiple of the block size inside the sequence for window-only layouts
+// (layout::window_compact), 0 for every other layout; no shared-prefix targets with
+// a window (the blocks before it are never written anyway).
+template <class P>
+void validate_windows(const P&, const paged_kv_view& cache, const compression_batch& batch) {
+  constexpr bool windowed = window_only<typename P::layout_type>();
+  for (std::size_t i = 0; i < batch.items.size(); ++i) {
+    const batch_item& it = batch.items[i];
+    const auto field = detail::path("batch[{}].window_begin", i);
+    if constexpr (!windowed) {
+      require(it.window_begin == 0, field, "is {}; only a window-only layout (layout::window_compact) compresses a window",
+              it.window_begin);
+    } else {
+      require(it.seq >= 0 && it.seq < cache.num_seqs, detail::path("batch[{}].seq", i), "is {}; the cache has {} sequences",
+              it.seq, cache.num_seqs);
+      const std::int32_t T = cache.lengths[it.seq];
+      require(it.window_begin >= 0 && it.window_begin % cache.block_size == 0, field,
+              "is {}; a window starts on a block boundary (block size {})", it.window_begin, cache.block_size);
+      require(it.window_begin < T, field, "is {}; seq {} holds {} tokens", it.window_begin, it.seq, T);
+    }
+  }
+  if constexpr (windowed) {
+    require(batch.targets.empty(), "batch.targets",
+            "are given, but a window-only layout writes no block before the window: no shared prefix needs targets");
+  }
 }
 
 // Checks the batch against the engine's lengths and block table, and that no block a

@@ -4,6 +4,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 
 #include "kvpolicy/config.hpp"
@@ -134,8 +135,21 @@ concept ScoreDependentSelector =
       { s.row_keep_count(row, k) } -> std::same_as<std::int32_t>;
     };
 
+// A pattern read off the candidates' scores, not the top of a count (Token2Chunk):
+// how many it keeps is known before the scores, which ones are not a rank cut.
+// Given `const S s; int32_t n, k; std::span<const float> a; std::span<uint8_t> keep;`:
+//   s.region_keep(n, k)         -> int32_t  candidates kept of n, for the item's budget k
+//   s.keep_pattern(a, k, keep)               host: keep[t] for the candidates t < a.size()
+// The GPU runs a pattern selector through its own stage kind (stage_kinds.cuh).
 template <class S>
-concept Selector = std::same_as<S, none> || BudgetSelector<S> || ScoreDependentSelector<S>;
+concept PatternSelector =
+    Policy<S> && requires(const S& s, std::int32_t n, std::span<const float> a, std::span<std::uint8_t> keep) {
+      { s.region_keep(n, n) } -> std::same_as<std::int32_t>;
+      s.keep_pattern(a, n, keep);
+    };
+
+template <class S>
+concept Selector = std::same_as<S, none> || BudgetSelector<S> || ScoreDependentSelector<S> || PatternSelector<S>;
 
 // Keep mask -> moved tokens. Given `const L l; int32_t i;`:
 //   L::moves_tokens        -> bool     whether kept tokens are moved

@@ -8,11 +8,14 @@
 #include "kvpolicy/aggregate/then.hpp"
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/layout/compact.hpp"
+#include "kvpolicy/layout/window_compact.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"
+#include "kvpolicy/scorer/bidirectional_window.hpp"
 #include "kvpolicy/scorer/window_attention.hpp"
 #include "kvpolicy/select/calibrated_top_p.hpp"
 #include "kvpolicy/select/sinks_recent.hpp"
+#include "kvpolicy/select/token2chunk.hpp"
 #include "kvpolicy/select/top_k.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -100,6 +103,22 @@ struct hard_kv_rkv : pipeline<scorer::window_attention, aggregate::pool, redunda
     redundancy = {.theta = 0.5f, .tau = 1.0f, .lambda = 0.1f};
     select = {.p = 0.9f, .upper = 2048};
     protect = {.window = 32, .sinks = 1};
+  }
+};
+
+// Kara (KvLLM's setting): over each item's window of 768 tokens (batch_item::
+// window_begin), bidirectional window attention (group sum, colsum over the window's
+// 768 queries) of the first 736 -> Token2Chunk (gamma 8, alpha 16) -> compaction of
+// the window alone. The buffer (32) and the tokens after the window stay. Each item's
+// budget is the region's kept tokens: kara_budget (225) keeps 257 of the window.
+struct kara : pipeline<scorer::bidirectional_window, none, none, select::token2chunk, layout::window_compact> {
+  // KvLLM retains 257 tokens of each 768-token window: 225 of W \ U and the buffer.
+  static constexpr std::int32_t kara_budget = 225;
+
+  constexpr kara() noexcept {
+    scorer = {.window = 768, .buffer = 32, .group = group_reduce::sum, .reduce = window_reduce::sum};
+    select = {.gamma = 8, .alpha = 16};
+    protect = {.window = 0, .sinks = 0};
   }
 };
 

@@ -53,6 +53,16 @@ KVP_HOST_DEVICE constexpr bool moves_tokens() noexcept {
   }
 }
 
+// Whether a layout runs over each item's window only (batch_item::window_begin).
+template <Layout L>
+KVP_HOST_DEVICE constexpr bool window_only() noexcept {
+  if constexpr (requires { L::window_only; }) {
+    return L::window_only;
+  } else {
+    return false;
+  }
+}
+
 // A key scorer's score of the key k at position t of T in the row of head h, by the
 // hook's form (with or without the head index).
 template <KeyScorer S>
@@ -80,7 +90,7 @@ KVP_HOST_DEVICE constexpr std::int32_t budget_keep_count(const Sel& s, std::int3
 // scores: then one count is the item's new length, known from any of its rows.
 template <Selector Sel>
 inline constexpr bool uniform_counts =
-    std::same_as<Sel, none> ||
+    std::same_as<Sel, none> || PatternSelector<Sel> ||
     (BudgetSelector<Sel> && !ScoreDependentSelector<Sel> &&
      !requires(const Sel& s, std::int32_t t, head_index h) { s.keep_count(t, t, h); });
 
