@@ -20,12 +20,30 @@ namespace {
 
 constexpr std::int32_t no_slot = sequence_state::no_query_slot;
 
+// What a uniform top-k "executor" leaves of an item: its budget.
+struct keep_budget {
+  std::int32_t operator()(const kvp::batch_item& it, std::int32_t /*length*/) const { return it.budget; }
+};
+
+// What Kara's window-only compression leaves of a sequence of `length` tokens: the
+// tokens before the window, `budget` of W \ U, and everything after W \ U (the
+// buffer and the last block).
+struct keep_window {
+  const kvp::trigger::periodic& t;
+  std::int32_t operator()(const kvp::batch_item& it, std::int32_t length) const {
+    return length - (t.window - t.buffer) + it.budget;
+  }
+};
+
 // Runs `steps` decode steps: each appends one token to every running sequence, then
-// asks the trigger for the step's items and "compresses" them to their budget (what
-// uniform top-k leaves). Returns one line per step with items:
-// "step: seq/query_slot/budget/history_tokens ...", in the order due_items gives.
-template <kvp::Trigger T>
-std::string run_trace(const T& trigger, std::vector<sequence_state>& running, std::int64_t steps) {
+// asks the trigger for the step's items and "compresses" them to new_length(item,
+// length). Returns one line per step with items:
+// "step: seq/query_slot/budget/history_tokens ...", with "@window_begin" after each
+// item for a trigger that has window_begin_of, in the order due_items gives.
+template <kvp::Trigger T, class Keep = keep_budget>
+std::string run_trace(const T& trigger, std::vector<sequence_state>& running, std::int64_t steps,
+                      Keep new_length = {}) {
+  constexpr bool windowed = requires(const sequence_state& s) { trigger.window_begin_of(s); };
   std::string trace;
   std::vector<kvp::batch_item> items;
   for (std::int64_t step = 1; step <= steps; ++step) {
@@ -36,7 +54,12 @@ std::string run_trace(const T& trigger, std::vector<sequence_state>& running, st
     trace += fmt::format("{}:", step);
     for (const kvp::batch_item& it : items) {
       trace += fmt::format(" {}/{}/{}/{}", it.seq, it.query_slot, it.budget, it.history_tokens);
-      new_lengths.push_back(it.budget);
+      if (windowed) trace += fmt::format("@{}", it.window_begin);
+      if (!windowed) CHECK(it.window_begin == 0);
+      std::int32_t length = 0;
+      for (const sequence_state& s : running)
+        if (s.seq == it.seq) length = s.length;
+      new_lengths.push_back(new_length(it, length));
     }
     trace += "\n";
     kvp::record_compression(running, items, new_lengths, step);
@@ -65,6 +88,16 @@ struct over_budget {
   std::int32_t budget_of(const sequence_state&) const { return budget; }
 };
 
+// A window trigger written outside the library: every sequence, over [begin, length),
+// to `budget` tokens of it.
+struct fixed_window {
+  std::int32_t begin = 0;
+  std::int32_t budget = 0;
+  bool due(const sequence_state&, std::int64_t) const { return true; }
+  std::int32_t budget_of(const sequence_state&) const { return budget; }
+  std::int32_t window_begin_of(const sequence_state&) const { return begin; }
+};
+
 // Not a trigger: no budget_of.
 struct due_only {
   bool due(const sequence_state&, std::int64_t) const { return true; }
@@ -77,6 +110,7 @@ static_assert(kvp::Trigger<kvp::trigger::buffer>);
 static_assert(kvp::Trigger<kvp::trigger::periodic>);
 static_assert(kvp::Trigger<kvp::trigger::interval>);
 static_assert(kvp::Trigger<over_budget>);
+static_assert(kvp::Trigger<fixed_window>);
 static_assert(!kvp::Trigger<due_only>);
 
 TEST_CASE("sequence_state: append, uncompressed tail, record_compression") {
@@ -205,38 +239,161 @@ TEST_CASE("trigger::buffer (R-KV 3.1): every B_buffer generated tokens once over
   CHECK(kvp::due_items(t, fresh, 0).empty());
 }
 
-TEST_CASE("trigger::periodic (Kara C.4): every delta steps, sequences with |W| uncompressed trailing tokens") {
-  // delta = 4, |W| = 8, 3 of the window kept: events at steps > 8 that are multiples of
-  // 4 (12, 16, 20); due when uncompressed_tail() >= 8; budget length - 8 + 3 = length - 5.
-  const kvp::trigger::periodic t{.period = 4, .window = 8, .window_keep = 3};
+TEST_CASE("trigger::periodic (Kara C.4): KvLLM's setting, windows before the last block, by hand") {
+  // b 256, |W| 768, |U| 32, 257 of each window kept: budget 257 - 32 = 225 (kara_budget).
+  const kvp::trigger::periodic t{.block_size = 256};
+  CHECK(t.period == 128);
+  CHECK(t.window == 768);
+  CHECK(t.buffer == 32);
+  CHECK(t.window_keep == 257);
+  CHECK(t.max_items == 30);
+  CHECK(t.budget_of({.length = 5000}) == kvp::presets::kara::kara_budget);
+  const kvp::presets::kara kara;
+  CHECK(t.window == kara.scorer.window);
+  CHECK(t.buffer == kara.scorer.buffer);
+
+  // window_begin = ((T - 1) / 256) * 256 - 768:
+  CHECK(t.window_begin_of({.length = 1100}) == 256);   // last block [1024, 1100), window [256, 1024)
+  CHECK(t.window_begin_of({.length = 1280}) == 256);   // last block [1024, 1280) full: still excluded
+  CHECK(t.window_begin_of({.length = 1281}) == 512);   // last block [1280, 1281)
+  CHECK(t.window_begin_of({.length = 1024}) == 0);     // last block [768, 1024), window [0, 768)
+  CHECK(t.window_begin_of({.length = 769}) == 0);      // last block [768, 769)
+  CHECK(t.window_begin_of({.length = 768}) == -256);   // last block [512, 768): no whole window before it
+  CHECK(t.window_begin_of({.length = 0}) < 0);
+
+  // Events: steps past 768 that are multiples of 128, the first at 896 (768 = 6 * 128
+  // is not past the window).
+  const sequence_state fresh{.seq = 0, .query_slot = 0, .length = 1100};  // never compressed: tail 1100
+  CHECK_FALSE(t.due(fresh, 768));
+  CHECK_FALSE(t.due(fresh, 800));
+  CHECK_FALSE(t.due(fresh, 895));
+  CHECK(t.due(fresh, 896));
+  CHECK(t.due(fresh, 1024));
+  CHECK_FALSE(t.due(fresh, 1025));
+  CHECK_FALSE(t.due({.seq = 0, .query_slot = 0, .length = 768}, 896));  // no window before the last block
+  CHECK(t.due({.seq = 0, .query_slot = 0, .length = 769}, 896));        // window [0, 768), tail 769
+
+  // Compressed before: due when the tail covers the window and the last block,
+  // T - window_begin (1100 - 256 = 844), i.e. the window starts at or after the length
+  // the last compression left (1100 - tail). A tail of |W| alone is not enough.
+  const auto compressed = [](std::int32_t length, std::int32_t tail) {
+    return sequence_state{.seq = 0, .query_slot = 0, .length = length, .generated_since_compression = tail,
+                          .history_tokens = length - tail, .compressions = 1, .last_compression_step = 0};
+  };
+  CHECK(t.due(compressed(1100, 844), 896));
+  CHECK_FALSE(t.due(compressed(1100, 843), 896));  // the window would start on a kept token (257)
+  CHECK_FALSE(t.due(compressed(1100, 768), 896));
+  CHECK(t.due(compressed(1280, 1024), 896));  // full last block: 1280 - 256
+  CHECK_FALSE(t.due(compressed(1280, 1023), 896));
+
+  // Two sequences over 1920 steps; Kara leaves T - 768 + 257 = T - 511 of each.
+  // A: prompt 204: 1100 at step 896 -> window_begin 256, 589 after.
+  //    Step 896 + 128 j: 589 + 128 j tokens, tail 128 j. j = 7 (1792): 1485, last block
+  //    1280, window_begin 512, needs 973 > 896. j = 8 (1920): 1613, last block 1536,
+  //    window_begin 768 (>= 589), needs 845 <= 1024: due.
+  // B: prompt 384: 1280 at step 896 (full last block) -> window_begin 256, 769 after.
+  //    j = 7 (1792): 1665, last block 1536, window_begin 768, needs 897, one more than
+  //    the tail of 896 (token 768 was kept at step 896). j = 8 (1920): 1793, last block
+  //    1792, window_begin 1024, needs 769 <= 1024: due.
+  // History within the window: 0 (a due window holds no kept token).
+  std::vector<sequence_state> running{{.seq = 0, .query_slot = 0, .length = 204},
+                                      {.seq = 1, .query_slot = 1, .length = 384}};
+  CHECK(run_trace(t, running, 1920, keep_window{t}) ==
+        "896: 0/0/225/0@256 1/1/225/0@256\n"
+        "1920: 0/0/225/0@768 1/1/225/0@1024\n");
+  CHECK(running[0].length == 1613 - 511);
+  CHECK(running[1].length == 1793 - 511);
+  CHECK(running[1].history_tokens == 1282);
+  CHECK(running[1].uncompressed_tail() == 0);  // reset at the compression, as Kara's counter
+  running[1].append(3);
+  CHECK(running[1].uncompressed_tail() == 3);  // then counts new tokens
+}
+
+TEST_CASE("trigger::periodic (Kara C.4): a scripted decode trace") {
+  // b 4, |W| 8, |U| 2, 5 of the window kept (budget 3), delta 2: events at the even
+  // steps past 8 (10, 12, ...). window_begin = ((T - 1) / 4) * 4 - 8; due when
+  // tail >= T - window_begin (9 to 12: the window and a last block of 1 to 4 tokens).
+  // The "executor" leaves T - (8 - 2) + 3 = T - 3.
+  const kvp::trigger::periodic t{.period = 2, .block_size = 4, .window = 8, .buffer = 2, .window_keep = 5};
   std::vector<sequence_state> running{
-      // A: never compressed, prompt 2: its tail is its length. At step 8 it is 10 >= 8,
-      // but step 8 is not past the window (step > |W|): no event. Step 12: 14 -> 9.
-      // Step 16: 4 since, no. Step 20: exactly 8 since: 17 -> 12, history 9.
+      // A: never compressed, prompt 2: 2 + k after step k. Step 8: 10, window_begin 0,
+      // tail 10 would do, but 8 is not past the window. Step 10: 12 (full last block
+      // [8, 12)), window_begin 0 -> 9. Then 9 + (k - 10), tail k - 10: step 20: 19,
+      // window_begin 8, needs 11 > 10 (a tail of |W| and more, still not enough);
+      // step 22: 21, window_begin 12, needs 9 <= 12 -> 18.
       {.seq = 0, .query_slot = 0, .length = 2},
-      // B: compressed before (to 6), 3 since: step 12: 21, tail 15 -> 16, history 6;
-      // step 20: 24, tail 8 -> 19, history 16.
-      {.seq = 1, .query_slot = 1, .length = 9, .generated_since_compression = 3, .history_tokens = 6,
+      // B: prompt 4: step 10: 14, last block [12, 14), window_begin 4 -> 11. Step 20:
+      // 21, last block [20, 21), window_begin 12, needs 9 <= 10 -> 18.
+      {.seq = 1, .query_slot = 1, .length = 4},
+      // C: compressed before (to 27), 3 since: step 10: 40, tail 13, window_begin 28,
+      // needs 12 -> 37; history 27 - 28 < 0 -> 0 within the window. Step 20: 47,
+      // window_begin 36, needs 11 > 10; step 22: 49, window_begin 40, needs 9 <= 12 -> 46.
+      {.seq = 2, .query_slot = 2, .length = 30, .generated_since_compression = 3, .history_tokens = 27,
        .compressions = 1, .last_compression_step = 0},
-      // C: a 30-token prompt, uncompressed: step 12: 42 -> 37; step 20: 45 -> 40, history 37.
-      {.seq = 2, .query_slot = 2, .length = 30},
       // D: no query slot.
       {.seq = 3, .query_slot = no_slot, .length = 30},
+      // F: just compressed (to 22): step 10: 32, tail 10 >= |W|, but window_begin 20 < 22
+      // (needs 12); step 12: 34, window_begin 24, needs 10 <= 12 -> 31. Step 20: 39,
+      // tail 8; step 22: 41, window_begin 32, needs 9 <= 10 -> 38.
+      {.seq = 5, .query_slot = 3, .length = 22, .history_tokens = 22, .compressions = 1,
+       .last_compression_step = 0},
   };
-  CHECK(run_trace(t, running, 20) ==
-        "12: 0/0/9/0 1/1/16/6 2/2/37/0\n"
-        "20: 0/0/12/9 1/1/19/16 2/2/40/37\n");
-  CHECK(running[0].last_compression_step == 20);
-  CHECK(running[0].uncompressed_tail() == 0);
+  CHECK(run_trace(t, running, 24, keep_window{t}) ==
+        "10: 0/0/3/0@0 1/1/3/0@4 2/2/3/0@28\n"
+        "12: 5/3/3/0@24\n"
+        "20: 1/1/3/0@12\n"
+        "22: 0/0/3/0@12 2/2/3/0@40 5/3/3/0@32\n");
+  CHECK(running[0].length == 20);  // A: 18 at step 22, two tokens since
+  CHECK(running[0].compressions == 2);
+  CHECK(running[0].last_compression_step == 22);
+  CHECK(running[0].uncompressed_tail() == 2);
+  CHECK(running[3].length == 54);  // D: never compressed
+  CHECK(running[3].compressions == 0);
+  CHECK(running[4].compressions == 3);  // F: 1 before, then steps 12 and 22
 
-  // The period's first step (4) lies within the window: no event, however long the tails.
-  const std::vector<sequence_state> long_tails{{.seq = 0, .query_slot = 0, .length = 100}};
-  CHECK(kvp::due_items(t, long_tails, 0).empty());
-  CHECK(kvp::due_items(t, long_tails, 4).empty());
-  CHECK(kvp::due_items(t, long_tails, 8).empty());
-  CHECK(kvp::due_items(t, long_tails, 11).empty());
-  CHECK(kvp::due_items(t, long_tails, 12).size() == 1);
-  CHECK(kvp::due_items(t, long_tails, 12)[0].budget == 95);
+  // Step 0 and the steps up to the window are no events, however long the tails.
+  const std::vector<sequence_state> long_tail{{.seq = 0, .query_slot = 0, .length = 100}};
+  CHECK(kvp::due_items(t, long_tail, 0).empty());
+  CHECK(kvp::due_items(t, long_tail, 8).empty());
+  CHECK(kvp::due_items(t, long_tail, 11).empty());
+  const std::vector<kvp::batch_item> items = kvp::due_items(t, long_tail, 12);
+  REQUIRE(items.size() == 1);
+  CHECK(items[0].budget == 3);
+  CHECK(items[0].window_begin == 88);  // last block [96, 100)
+  CHECK(items[0].history_tokens == 0);
+}
+
+TEST_CASE("trigger::periodic: max_items keeps the first due items in running order") {
+  // As above (b 4, |W| 8, |U| 2, budget 3, delta 2), at most 2 items per event.
+  // Step 10: S0..S3 hold 10..13 tokens, all due (window_begin 0, 0, 0, 4); the cap
+  // keeps S0 and S1 (E, first and due by its tail, holds no slot and takes no place).
+  // Step 12: S0 9, S1 10, tails 2; S2 14 and S3 15, window_begin 4, still due -> 11, 12.
+  // Step 20: S0 17 and S1 18, window_begin 8, need 9 and 10 <= tail 10. S2 19 and S3 20
+  // have tails of 8. Step 22: S2 21, S3 22, window_begin 12, need 9 and 10 <= 10.
+  const kvp::trigger::periodic t{
+      .period = 2, .block_size = 4, .window = 8, .buffer = 2, .window_keep = 5, .max_items = 2};
+  std::vector<sequence_state> running{
+      {.seq = 9, .query_slot = no_slot, .length = 40},  // E
+      {.seq = 0, .query_slot = 0, .length = 0},         // S0
+      {.seq = 1, .query_slot = 1, .length = 1},         // S1
+      {.seq = 2, .query_slot = 2, .length = 2},         // S2
+      {.seq = 3, .query_slot = 3, .length = 3},         // S3
+  };
+  std::vector<sequence_state> at_10 = running;
+  for (sequence_state& s : at_10) s.append(10);
+  kvp::trigger::periodic uncapped = t;
+  uncapped.max_items = 0;
+  const std::vector<kvp::batch_item> all = kvp::due_items(uncapped, at_10, 10);
+  REQUIRE(all.size() == 4);
+  CHECK(all[3].seq == 3);
+  CHECK(all[3].window_begin == 4);
+  CHECK(kvp::due_items(t, at_10, 10).size() == 2);
+
+  CHECK(run_trace(t, running, 22, keep_window{t}) ==
+        "10: 0/0/3/0@0 1/1/3/0@0\n"
+        "12: 2/2/3/0@4 3/3/3/0@4\n"
+        "20: 0/0/3/0@8 1/1/3/0@8\n"
+        "22: 2/2/3/0@12 3/3/3/0@12\n");
 }
 
 TEST_CASE("trigger::interval (Hard-KV): every 128 steps, every sequence over L_lower, to at most L_upper") {
@@ -288,6 +445,25 @@ TEST_CASE("due_items: a trigger written outside the library; the output vector i
   CHECK(items[1].history_tokens == 5);
 }
 
+TEST_CASE("due_items: window_begin from the trigger; history counts within the window") {
+  const std::vector<sequence_state> running{
+      {.seq = 0, .query_slot = 0, .length = 40},                        // never compressed
+      {.seq = 1, .query_slot = 1, .length = 40, .history_tokens = 20},  // 20 - 16 = 4 in the window
+      {.seq = 2, .query_slot = 2, .length = 40, .history_tokens = 16},  // the window starts at it: 0
+  };
+  const std::vector<kvp::batch_item> items = kvp::due_items(fixed_window{.begin = 16, .budget = 24}, running, 1);
+  REQUIRE(items.size() == 3);
+  for (const kvp::batch_item& it : items) {
+    CHECK(it.window_begin == 16);
+    CHECK(it.budget == 24);  // all of [16, 40): allowed
+  }
+  CHECK(items[0].history_tokens == 0);
+  CHECK(items[1].history_tokens == 4);
+  CHECK(items[2].history_tokens == 0);
+  // The other triggers leave the window at 0.
+  CHECK(kvp::due_items(over_budget{.budget = 5}, running, 1)[0].window_begin == 0);
+}
+
 TEST_CASE("triggers: errors name the field and the value") {
   const std::vector<sequence_state> ok{{.seq = 0, .query_slot = 0, .length = 16}};
   using namespace kvp::trigger;
@@ -299,12 +475,30 @@ TEST_CASE("triggers: errors name the field and the value") {
                "threshold.max_blocks", "overflows int32");
   expect_error([&] { (void)kvp::due_items(buffer{.size = 0, .budget = 8}, ok, 1); }, "buffer.size", "is 0");
   expect_error([&] { (void)kvp::due_items(buffer{.size = 4, .budget = -1}, ok, 1); }, "buffer.budget", "is -1");
-  expect_error([&] { (void)kvp::due_items(periodic{.period = 4, .window = 8, .window_keep = 9}, ok, 1); },
-               "periodic.window_keep", "is 9");
-  expect_error([&] { (void)kvp::due_items(periodic{.period = 4, .window = 8, .window_keep = 0}, ok, 1); },
-               "periodic.window_keep", "is 0");
-  expect_error([&] { (void)kvp::due_items(periodic{.period = 4, .window = 0, .window_keep = 0}, ok, 1); },
-               "periodic.window", "is 0");
+  const periodic kvllm{.block_size = 256};
+  const auto with = [&](auto change) {
+    periodic p = kvllm;
+    change(p);
+    return p;
+  };
+  CHECK_NOTHROW((void)kvp::due_items(kvllm, ok, 1));
+  expect_error([&] { (void)kvp::due_items(periodic{}, ok, 1); }, "periodic.block_size", "is 0");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.period = 0; }), ok, 1); }, "periodic.period",
+               "is 0");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.window = 700; }), ok, 1); }, "periodic.window",
+               "is 700; must be a positive multiple of block_size 256");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.window = 0; }), ok, 1); }, "periodic.window",
+               "is 0");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.buffer = -1; }), ok, 1); }, "periodic.buffer",
+               "is -1");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.buffer = 768; }), ok, 1); }, "periodic.buffer",
+               "is 768; must lie in [0, window 768)");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.window_keep = 32; }), ok, 1); },
+               "periodic.window_keep", "is 32; must lie in [buffer + 1 = 33, window 768]");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.window_keep = 769; }), ok, 1); },
+               "periodic.window_keep", "is 769");
+  expect_error([&] { (void)kvp::due_items(with([](periodic& p) { p.max_items = -1; }), ok, 1); },
+               "periodic.max_items", "is -1");
   expect_error([&] { (void)kvp::due_items(interval{.period = 0, .budget = 8}, ok, 1); }, "interval.period", "is 0");
   expect_error([&] { (void)kvp::due_items(interval{.period = 4, .budget = 8, .min_length = -2}, ok, 1); },
                "interval.min_length", "is -2");
@@ -324,6 +518,14 @@ TEST_CASE("triggers: errors name the field and the value") {
   const std::vector<sequence_state> short_one{{.seq = 0, .query_slot = 0, .length = 3}};
   expect_error([&] { (void)kvp::due_items(over_budget{.budget = -1}, short_one, 1); }, "running[0]",
                "gets budget -1");
+  // A window trigger: window_begin inside the sequence, the budget inside the window.
+  const std::vector<sequence_state> forty{{.seq = 0, .query_slot = 0, .length = 40}};
+  expect_error([&] { (void)kvp::due_items(fixed_window{.begin = 40, .budget = 1}, forty, 1); }, "running[0]",
+               "gets window_begin 40");
+  expect_error([&] { (void)kvp::due_items(fixed_window{.begin = -4, .budget = 1}, forty, 1); }, "running[0]",
+               "gets window_begin -4");
+  expect_error([&] { (void)kvp::due_items(fixed_window{.begin = 16, .budget = 25}, forty, 1); }, "running[0]",
+               "gets budget 25 from the trigger; must lie in [1, 24] (length 40 - window_begin 16)");
 
   sequence_state s{.seq = 0, .length = 4};
   expect_error([&] { s.append(-1); }, "tokens", "is -1");

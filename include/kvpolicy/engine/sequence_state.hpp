@@ -37,9 +37,12 @@ struct sequence_state {
 
   bool compressed_before() const noexcept { return compressions > 0; }
 
-  // Trailing tokens no compression has seen (Kara C.4's per-sequence counter, reset
-  // at each compression): all of them, prompt included, for a sequence never
-  // compressed; otherwise those generated since the last compression.
+  // Kara C.4's per-sequence count of uncompressed trailing tokens: all of them,
+  // prompt included, for a sequence never compressed; otherwise those generated since
+  // the last compression. As in Kara, a compression resets it to 0, a window-only one
+  // too, whose tokens after the window stay as they were: so length -
+  // uncompressed_tail() is the length the last compression left, where the next
+  // window may start at the earliest (trigger::periodic).
   std::int32_t uncompressed_tail() const noexcept {
     return compressed_before() ? generated_since_compression : length;
   }
@@ -59,8 +62,11 @@ struct sequence_state {
 // executor's result, e.g. host_result::new_lengths) is item i's length now. The
 // state whose `seq` is items[i].seq gets that length, history_tokens = the new length
 // (the next compression's history; with uniform top-k, the budget), no generated
-// tokens since, one more compression, last_compression_step = step. Everything is
-// checked first, so on a kvp::error no state has changed.
+// tokens since (so uncompressed_tail() is 0, Kara C.4's reset; it then counts the
+// tokens appended after), one more compression, last_compression_step = step. For a
+// window-only item (batch_item::window_begin) new_lengths[i] is the whole
+// sequence's, as the executors return it. Everything is checked first, so on a
+// kvp::error no state has changed.
 inline void record_compression(std::span<sequence_state> running, std::span<const batch_item> items,
                                std::span<const std::int32_t> new_lengths, std::int64_t step) {
   require(new_lengths.size() == items.size(), "new_lengths", "holds {} lengths; the batch has {} items",
