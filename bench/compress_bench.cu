@@ -22,6 +22,9 @@
 //                                   solved once and reused; e2e/hard_kv_rkv/A
 //   calibration/hard_kv/<I>/<T>     stage rows, every row's search run to I iterations (T = 2304, 9216),
 //                                   beside calibration/hard_kv/reuse/<T>: the epilogues' difference
+//   e2e|stage/kara/KvLLM            Kara at a KvLLM compression event: 30 windows of 768 tokens, 32 layers
+//                                   (config_kvllm); 60 blocks freed
+//   e2e|stage/zipage/KvLLM_8k       Zipage freeing the same 60 blocks from whole sequences of 8192 tokens
 //
 // Configuration A: 16 sequences, 8 layers per launch, h_kv 8, h_q 32, d 128, b 256,
 // N_max 9 (T = 2304 tokens held, the last block full), w 16, bf16, budget
@@ -39,6 +42,14 @@
 // untimed run: kept tokens whose destination index differs from their position.
 // GB/s = bytes / time; copy_fraction = GB/s / (best measured copy GB/s, read + write).
 // host_us: the median CPU time of the compress call itself (validation and launches).
+//
+// Kara (a window-only layout): keys are read for the candidates alone (W \ U, 736 of
+// each window), queries are the window's 768 per (layer, item, query head), no F;
+// moved tokens are the window's kept tokens whose slot changes and every token after
+// the window. Per stage (stage/kara/KvLLM): score = those keys and queries read, scores
+// written (4 B / candidate); redundancy none; epilogue = scores read, mask written
+// (1 B / token of the window and after); layout = mask read, moved K and V read and
+// written. score_TFLOP(_per_s): QK^T's 2 d flops per (query, key) pair.
 //
 // Per-stage byte models (stage/zipage/A), each stage's own inputs and outputs,
 // including the fp32 work buffers that pass scores between stages:
@@ -301,14 +312,52 @@ struct shape {
   // run and reused by the timed ones (a request's later compressions); otherwise
   // solved at every call (its first).
   bool reuse_temperatures = false;
+  // Tokens each sequence holds (at most n_max blocks); 0: n_max full blocks.
+  std::int32_t length = 0;
+  // Budget of every item; 0: Zipage's (N_max - 1) b.
+  std::int32_t budget_tokens = 0;
+  // Window-only layouts (Kara): the window's first token, batch_item::window_begin.
+  std::int32_t window_begin = 0;
 
-  std::int32_t tokens() const { return n_max * block_size; }             // T: full last block
-  std::int32_t budget() const { return (n_max - 1) * block_size; }       // Zipage's (N_max - 1) b
+  std::int32_t tokens() const { return length > 0 ? length : n_max * block_size; }  // T
+  std::int32_t budget() const { return budget_tokens > 0 ? budget_tokens : (n_max - 1) * block_size; }
+  std::int32_t seen() const { return tokens() - window_begin; }  // tokens the pipeline sees per row
   std::int64_t rows() const { return std::int64_t{seqs} * layers * kv_heads; }
   std::int64_t es() const { return kvp::size_of(type); }
 };
 
 shape config_a() { return {}; }
+
+// KvLLM's compression event (Kara B.1, C.4): 30 sequences, each compressing its
+// trailing window of 768 uncompressed tokens (3 blocks of 256), every layer of
+// R1-Llama-8B (32, h_kv 8, h_q 32, d 128) in one launch. Each sequence holds 28
+// compressed blocks before the window (never read; their count does not change the
+// work) and 128 tokens after it, in its last, partial block, which KvLLM leaves out of
+// the window. The window keeps 257 tokens (budget 225 of W \ U, and the buffer of 32):
+// 7168 + 257 + 128 = 7553 tokens in 30 blocks where 8064 took 32, so each window
+// frees 2 blocks (60 in all). With the tail block full (T 8192) 7681 tokens would
+// need 31 blocks: 1 block per window.
+shape config_kvllm() {
+  shape s;
+  s.seqs = 30;
+  s.layers = 32;
+  s.n_max = 32;
+  s.length = 31 * 256 + 128;
+  s.window_begin = 28 * 256;
+  s.budget_tokens = kvp::presets::kara::kara_budget;
+  return s;
+}
+
+// Zipage freeing as many blocks from whole sequences of the same batch: 30 sequences
+// of 8192 tokens (32 full blocks: Zipage's trigger), 32 layers, budget 30 blocks
+// (7680 tokens), so each sequence frees 2 blocks, 60 in all, as Kara's windows do.
+shape config_kvllm_zipage() {
+  shape s = config_kvllm();
+  s.length = 0;  // 32 full blocks
+  s.window_begin = 0;
+  s.budget_tokens = 30 * 256;
+  return s;
+}
 
 // Everything one configuration needs on the device, built once per benchmark run.
 // The cache is `[2, L, num_blocks, b, h_kv, d]`; each sequence holds N_max blocks
@@ -361,7 +410,10 @@ struct bench_case {
     for (std::size_t i = 0; i < h_table.size(); ++i) h_table[i] = perm[i];
     const std::vector<std::int32_t> h_lengths(static_cast<std::size_t>(s.seqs), T);
     std::vector<kvp::batch_item> h_items(static_cast<std::size_t>(s.seqs));
-    for (std::int32_t i = 0; i < s.seqs; ++i) h_items[i] = {i, i, s.budget(), s.budget()};
+    // History = budget: compressed before (Zipage's steady state). A window is new
+    // tokens (and Kara keeps no F): history 0.
+    const std::int32_t history = s.window_begin > 0 ? 0 : s.budget();
+    for (std::int32_t i = 0; i < s.seqs; ++i) h_items[i] = {i, i, s.budget(), history, s.window_begin};
     table = upload(h_table);
     lengths = upload(h_lengths);
     items = upload(h_items);
@@ -453,10 +505,15 @@ struct bench_case {
     return ex.compress(temp.get(), bytes, p, cache, queries, scores, batch, r);
   }
 
-  // One untimed compression with keep masks: checks the device status and counts the
-  // kept tokens whose slot changes (destination index != position). Restores after.
+  // What one untimed compression with keep masks did: the kept tokens whose slot
+  // changes (destination index != position) and the blocks released, over the batch.
+  struct outcome {
+    std::int64_t moved = 0, released = 0;
+  };
+
+  // Checks the device status and counts the outcome. Restores after.
   template <class P>
-  std::int64_t count_moved(const P& p) {
+  outcome count_moved(const P& p) {
     restore();
     KVP_BENCH_CHECK(compress(p, nullptr, true));
     std::array<std::int32_t, kvp::status_words> st{};
@@ -465,20 +522,26 @@ struct bench_case {
     kvp::check(st.data());  // throws the kvp::error a failed device validation stands for
     std::vector<std::uint8_t> h(keep.bytes());
     KVP_BENCH_CHECK(cudaMemcpy(h.data(), keep.get(), h.size(), cudaMemcpyDeviceToHost));
-    const std::int32_t T = s.tokens();
-    std::int64_t moved = 0;
+    std::vector<std::int32_t> released(static_cast<std::size_t>(s.seqs));
+    KVP_BENCH_CHECK(cudaMemcpy(released.data(), released_counts.get(), released.size() * sizeof(std::int32_t),
+                               cudaMemcpyDeviceToHost));
+    // Rows have a pitch of T (max_tokens); a window-only layout's cover its window
+    // and what follows it, from window_begin (position 0 of the row).
+    const std::int32_t T = s.tokens(), seen = s.seen();
+    outcome o;
     for (std::int64_t row = 0; row < s.rows(); ++row) {
       std::int32_t kept = 0;
       const std::uint8_t* m = h.data() + row * T;
-      for (std::int32_t t = 0; t < T; ++t) {
+      for (std::int32_t t = 0; t < seen; ++t) {
         if (!m[t]) continue;
-        if (kept != t) ++moved;  // layout::compact: the i-th kept token goes to position i
+        if (kept != t) ++o.moved;  // layout::compact: the i-th kept token goes to position i
         ++kept;
       }
     }
+    o.released = std::accumulate(released.begin(), released.end(), std::int64_t{0});
     restore();
     KVP_BENCH_CHECK(cudaStreamSynchronize(stream));
-    return moved;
+    return o;
   }
 };
 
@@ -496,12 +559,14 @@ struct bytes_of {
   double total() const { return k + q + f + moved; }
 };
 
-// The end-to-end byte model (file comment).
+// The end-to-end byte model (file comment). A window-only layout's scorer reads the
+// keys of its candidates alone (Kara: W \ U, the window's first 736).
 template <class P>
 bytes_of model_bytes(const P& p, const shape& s, std::int64_t moved_tokens) {
   bytes_of m;
   const double rows = double(s.rows()), T = s.tokens(), row_bytes = double(s.head_dim) * double(s.es());
-  if constexpr (reads_keys<P>()) m.k = rows * T * row_bytes;
+  const double keys = kvp::window_only<typename P::layout_type>() ? kvp::candidate_end(p.scorer, s.seen()) : T;
+  if constexpr (reads_keys<P>()) m.k = rows * keys * row_bytes;
   if constexpr (kvp::AttentionScorer<typename P::scorer_type>)
     m.q = double(s.layers) * s.seqs * kvp::scorer_window(p.scorer) * s.q_heads * row_bytes;
   if constexpr (kvp::uses_score_cache<typename P::aggregate_type>()) m.f = rows * T * 8.0;
@@ -534,7 +599,8 @@ void bench_pipeline(benchmark::State& state, const P& given, shape s, row_kind k
     if constexpr (std::same_as<typename P::select_type, kvp::select::calibrated_top_p>)
       if (s.reuse_temperatures) p.select.state = bc.calibration();
     bc.prepare(p);
-    const std::int64_t moved = bc.count_moved(p);  // also the warm-up
+    const bench_case::outcome outcome = bc.count_moved(p);  // also the warm-up
+    const std::int64_t moved = outcome.moved;
     const bytes_of model = model_bytes(p, s, moved);
 
     event start, stop;
@@ -584,11 +650,16 @@ void bench_pipeline(benchmark::State& state, const P& given, shape s, row_kind k
     const auto iters = static_cast<double>(state.iterations());
     const double e2e_mean = e2e_s / iters;
     const double T = s.tokens(), rows = double(s.rows()), d = s.head_dim;
+    constexpr bool windowed = kvp::window_only<typename P::layout_type>();
     state.counters["tokens"] = T;
     state.counters["seqs"] = s.seqs;
     state.counters["rows"] = rows;
     state.counters["budget"] = s.budget();
     state.counters["moved_tokens"] = double(moved);
+    // Block ids released over the batch (each holds b tokens of every layer and KV head).
+    state.counters["released_blocks"] = double(outcome.released);
+    state.counters["released_GiB"] = double(outcome.released) * 2.0 * s.layers * s.block_size * s.kv_heads * d *
+                                     double(s.es()) / double(1ull << 30);
     state.counters["e2e_ms"] = e2e_mean * 1e3;
     std::nth_element(host_us.begin(), host_us.begin() + host_us.size() / 2, host_us.end());
     state.counters["host_us"] = host_us.empty() ? 0.0 : host_us[host_us.size() / 2];  // median
@@ -596,9 +667,43 @@ void bench_pipeline(benchmark::State& state, const P& given, shape s, row_kind k
     if (kind != row_kind::redundancy) {
       state.counters["bytes"] = model.total();
       set_rate(state, "", model.total(), e2e_mean);
-      state.counters["ns_per_token"] = e2e_mean * 1e9 / (rows * T);
+      state.counters["ns_per_token"] = e2e_mean * 1e9 / (rows * (windowed ? s.seen() : T));
     }
-    if (kind == row_kind::stage) {
+    // Kara's scorer: each of the window's |W| G queries against each candidate key,
+    // 2 d flops a pair (QK^T alone): far more arithmetic per byte than a window of 16.
+    const double score_flops = windowed ? rows * double(kvp::scorer_window(p.scorer)) * (s.q_heads / s.kv_heads) *
+                                              double(kvp::candidate_end(p.scorer, s.seen())) * 2.0 * d
+                                        : 0.0;
+    if constexpr (windowed) {
+      state.counters["window_begin"] = s.window_begin;
+      state.counters["seen_tokens"] = s.seen();  // the window and the tokens after it
+      state.counters["score_TFLOP"] = score_flops / 1e12;
+    }
+    if (kind == row_kind::stage && windowed) {
+      // Per stage over the window: cand = rows * candidates (W \ U), seen = rows *
+      // (T - window_begin), the rows the masks cover.
+      static const char* names[4] = {"score", "redundancy", "epilogue", "layout"};
+      const double cand = rows * kvp::candidate_end(p.scorer, s.seen()), seen = rows * s.seen();
+      const double moved_kv = double(moved) * 2.0 * 2.0 * d * double(s.es());
+      const std::array<double, 4> stage_bytes = {
+          model.k + model.q + cand * 4.0,  // keys of W \ U and the window's queries in, scores out
+          0.0,                             // no redundancy stage
+          cand * 4.0 + seen * 1.0,         // scores in, mask out
+          seen * 1.0 + moved_kv,           // mask in, moved K/V in/out
+      };
+      double staged = 0.0;
+      for (int i = 0; i < 4; ++i) {
+        const double mean = stage_s[i] / iters;
+        staged += mean;
+        const std::string n = names[i];
+        state.counters[n + "_ms"] = mean * 1e3;
+        state.counters[n + "_bytes"] = stage_bytes[i];
+        set_rate(state, n + "_", stage_bytes[i], mean);
+      }
+      const double score_s = stage_s[0] / iters;
+      state.counters["score_TFLOP_per_s"] = score_s > 0 ? score_flops / score_s / 1e12 : 0.0;
+      state.counters["other_ms"] = (e2e_mean - staged) * 1e3;
+    } else if (kind == row_kind::stage) {
       static const char* names[4] = {"score", "redundancy", "epilogue", "layout"};
       const double row_bytes = d * double(s.es()), cells = rows * T;
       const double moved_kv = double(moved) * 2.0 * 2.0 * row_bytes;
@@ -746,6 +851,16 @@ void register_all() {
       add_row("calibration/hard_kv/reuse/" + std::to_string(s.tokens()), kvp::presets::hard_kv{}, s, row_kind::stage,
               20);
     }
+  }
+
+  // Kara at a KvLLM compression event (config_kvllm: 30 windows of 768 tokens, 32
+  // layers), and Zipage freeing the same 60 blocks from whole 8k-token sequences.
+  {
+    const shape kara = config_kvllm(), zip = config_kvllm_zipage();
+    add_row("e2e/kara/KvLLM", kvp::presets::kara{}, kara, row_kind::e2e, 20);
+    add_row("stage/kara/KvLLM", kvp::presets::kara{}, kara, row_kind::stage, 20);
+    add_row("e2e/zipage/KvLLM_8k", kvp::presets::zipage{}, zip, row_kind::e2e, 20);
+    add_row("stage/zipage/KvLLM_8k", kvp::presets::zipage{}, zip, row_kind::stage, 20);
   }
 
   // Head dims other than configuration A's 128: 64 runs kernels built for it, as 128

@@ -14,6 +14,7 @@
 # Environment: BUILD_DIR (default build), JOBS (default 16), CUDA_ARCH (default 90a).
 # Writes: bench.json, reference.json (bf16), reference_fp32.json (fp32 mask check),
 #         hard_kv_reference.json (bf16), hard_kv_reference_fp32.json (fp32 counts and masks),
+#         kara_reference.json (bf16), kara_reference_fp32.json (fp32 masks and counts),
 #         configure.log, build.log, bench.log, reference*.log, run.log, nvidia-smi.txt
 set -uo pipefail
 
@@ -113,6 +114,11 @@ if [[ -n "$CAPI" ]]; then
   step hard_kv_reference_fp32 hard_kv_reference_fp32.log "${HK[@]}" --dtype float32 \
     --out "$OUT/hard_kv_reference_fp32.json"
   step hard_kv_reference_bf16 hard_kv_reference.log "${HK[@]}" --dtype bfloat16 --out "$OUT/hard_kv_reference.json"
+  # kara in PyTorch at a KvLLM event (30 windows of 768, 32 layers): fp32 (selection,
+  # masks and counts against kvpolicy), then bf16 (the timing); end to end and per stage.
+  KR=(python3 "$ROOT/bench/reference/kara_reference.py" --lib "$CAPI" --iters 10)
+  step kara_reference_fp32 kara_reference_fp32.log "${KR[@]}" --dtype float32 --out "$OUT/kara_reference_fp32.json"
+  step kara_reference_bf16 kara_reference.log "${KR[@]}" --dtype bfloat16 --out "$OUT/kara_reference.json"
 else
   log "libkvp_capi.so not found under ${PREBUILT:-$BUILD}"; FAILED+=(reference)
 fi

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "kvpolicy/kvpolicy.hpp"  // first: error.hpp sets FMT_USE_CONSTEXPR before fmt is seen
 #include "kvpolicy/exec/device_status.hpp"
@@ -14,7 +15,8 @@
 
 namespace kvp_capi {
 
-static_assert(sizeof(kvp::batch_item) == 4 * sizeof(std::int32_t), "batch items are int32 quadruples");
+static_assert(sizeof(kvp::batch_item) == 5 * sizeof(std::int32_t) && alignof(kvp::batch_item) == alignof(std::int32_t),
+              "kvp::batch_item is the 5 int32 columns kvp_capi.h names");
 static_assert(static_cast<int>(kvp::dtype::f16) == 0 && static_cast<int>(kvp::dtype::bf16) == 1 &&
               static_cast<int>(kvp::dtype::f32) == 2, "dtype codes are kvp::dtype's values");
 
@@ -22,10 +24,27 @@ inline thread_local std::string last_error;
 
 inline std::size_t round_up(std::size_t x) { return (x + 255) / 256 * 256; }
 
+// Columns of the caller's items (kvp_capi.h): KARA's carry window_begin, the others'
+// stop at history_tokens, as before window_begin existed.
+inline int item_columns(const kvp_capi_shape& s) { return s.policy == KVP_CAPI_KARA ? 5 : 4; }
+
+// The caller's items as kvp::batch_item (host memory), window_begin 0 where not given.
+inline std::vector<kvp::batch_item> host_items(const kvp_capi_shape& s, const std::int32_t* items) {
+  std::vector<kvp::batch_item> out(static_cast<std::size_t>(s.num_items));
+  const int cols = item_columns(s);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::int32_t* r = items + i * cols;
+    out[i] = {r[0], r[1], r[2], r[3], cols > 4 ? r[4] : 0};
+  }
+  return out;
+}
+
 // The result arrays, at the start of the caller's workspace; the executor's own
 // workspace (CUDA) follows at `executor`.
 struct ws_layout {
-  std::size_t status = 0, new_lengths = 0, released_counts = 0, released_blocks = 0, executor = 0;
+  std::size_t status = 0, new_lengths = 0, released_counts = 0, released_blocks = 0;
+  std::size_t items = 0;  // the items widened to kvp::batch_item (CUDA, 4-column policies)
+  std::size_t executor = 0;
 };
 
 inline ws_layout layout_of(const kvp_capi_shape& s) {
@@ -40,6 +59,8 @@ inline ws_layout layout_of(const kvp_capi_shape& s) {
   at += round_up(std::size_t(s.num_items) * sizeof(std::int32_t));
   w.released_blocks = at;
   at += round_up(std::size_t(s.num_items) * blocks * sizeof(std::int32_t));
+  w.items = at;
+  at += round_up(std::size_t(s.num_items) * sizeof(kvp::batch_item));
   w.executor = at;
   return w;
 }
@@ -77,10 +98,11 @@ inline views make_views(const kvp_capi_shape& s, void* kv, const void* q, float*
 // Calls fn(preset) with the policy the shape names.
 template <class Fn>
 auto with_policy(const kvp_capi_shape& s, Fn&& fn) {
-  kvp::require(s.policy >= KVP_CAPI_ZIPAGE && s.policy <= KVP_CAPI_HARD_KV, "shape.policy",
-               "is {}; 0 zipage, 1 snapkv, 2 hard_kv", s.policy);
+  kvp::require(s.policy >= KVP_CAPI_ZIPAGE && s.policy <= KVP_CAPI_KARA, "shape.policy",
+               "is {}; 0 zipage, 1 snapkv, 2 hard_kv, 3 kara", s.policy);
   if (s.policy == KVP_CAPI_SNAPKV) return fn(kvp::presets::snapkv{});
   if (s.policy == KVP_CAPI_HARD_KV) return fn(kvp::presets::hard_kv{});
+  if (s.policy == KVP_CAPI_KARA) return fn(kvp::presets::kara{});
   return fn(kvp::presets::zipage{});
 }
 

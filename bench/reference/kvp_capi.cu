@@ -1,8 +1,9 @@
 // libkvp_capi.so: the C API of kvp_capi.h over kvp::cuda_executor.
 //
 // Raw device pointers in, nothing allocated, nothing synchronised: kvp_capi_compress
-// enqueues one compression on the given stream and returns, so torch.cuda.Event
-// around the call times the GPU work. Malformed shapes are rejected before any
+// enqueues one compression on the given stream (after the items' widening for the
+// four-column policies, kvp_capi.h) and returns, so torch.cuda.Event around the call
+// times the GPU work. Malformed shapes are rejected before any
 // launch (KVP_CAPI_EINVAL); malformed device data (lengths, block ids, items) is
 // caught by the executor's first kernel and read back by kvp_capi_status.
 #include "capi_common.hpp"  // first: kvpolicy's error.hpp sets FMT_USE_CONSTEXPR before fmt is seen
@@ -15,8 +16,8 @@ namespace {
 
 using namespace kvp_capi;
 
-kvp::device_batch batch_of(const kvp_capi_shape& s, const std::int32_t* items) {
-  return {reinterpret_cast<const kvp::batch_item*>(items), s.num_items, s.max_tokens, s.layer_begin, s.layer_count};
+kvp::device_batch batch_of(const kvp_capi_shape& s, const kvp::batch_item* items) {
+  return {items, s.num_items, s.max_tokens, s.layer_begin, s.layer_count};
 }
 
 kvp::device_result result_in(void* ws, const ws_layout& w, std::uint8_t* keep_masks, float* final_scores) {
@@ -28,6 +29,49 @@ int cuda_code(cudaError_t e) {
   if (e == cudaSuccess) return KVP_CAPI_OK;
   last_error = std::string("CUDA: ") + cudaGetErrorString(e);
   return KVP_CAPI_ECUDA;
+}
+
+// Four-column items (seq, slot, budget, history) as kvp::batch_item, window_begin 0.
+__global__ void widen_items_kernel(const std::int32_t* in, kvp::batch_item* out, std::int32_t n) {
+  for (std::int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    out[i] = {in[4 * i], in[4 * i + 1], in[4 * i + 2], in[4 * i + 3], 0};
+}
+
+// The items as the executor reads them: the caller's own where they have
+// kvp::batch_item's five columns (KARA), else widened into the workspace (one launch).
+const kvp::batch_item* device_items(const kvp_capi_shape& s, const std::int32_t* items, void* ws, const ws_layout& w,
+                                    cudaStream_t stream) {
+  if (item_columns(s) == 5 || s.num_items == 0) return reinterpret_cast<const kvp::batch_item*>(items);
+  kvp::require(items != nullptr, "items", "is a null pointer");
+  auto* out = at<kvp::batch_item>(ws, w.items);
+  const int grid = (s.num_items + 255) / 256;
+  widen_items_kernel<<<grid < 1024 ? grid : 1024, 256, 0, stream>>>(items, out, s.num_items);
+  return out;
+}
+
+// One compression on `stream`; stage_marks (5 events) optional.
+int compress_on(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                const std::int32_t* block_table, const std::int32_t* lengths, const std::int32_t* items,
+                void* workspace, std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
+                cudaStream_t stream, cudaEvent_t* stage_marks) {
+  kvp::require(s != nullptr, "shape", "is a null pointer");
+  kvp::require(workspace != nullptr, "workspace", "is a null pointer");
+  const views v = make_views(*s, kv_cache, queries, f, block_table, lengths);
+  const ws_layout w = layout_of(*s);
+  kvp::require(workspace_bytes > w.executor, "workspace_bytes", "is {}; kvp_capi_workspace_size says more",
+               workspace_bytes);
+  return with_policy(*s, [&](const auto& p) -> int {
+    kvp::cuda_executor ex;
+    ex.stream = stream;
+    ex.stage_marks = stage_marks;
+    // Before the executor's own checks: a refused call has then written only the
+    // workspace's copy of the items.
+    const kvp::batch_item* dev_items = device_items(*s, items, workspace, w, stream);
+    if (const int rc = cuda_code(cudaGetLastError()); rc != KVP_CAPI_OK) return rc;
+    std::size_t exec_bytes = workspace_bytes - w.executor;
+    return cuda_code(ex.compress(at<std::byte>(workspace, w.executor), exec_bytes, p, v.cache, v.queries, v.scores,
+                                 batch_of(*s, dev_items), result_in(workspace, w, keep_masks, final_scores)));
+  });
 }
 
 }  // namespace
@@ -47,7 +91,8 @@ int kvp_capi_workspace_size(const kvp_capi_shape* s, std::size_t* bytes) {
       std::size_t exec_bytes = 0;
       // Without keep-mask output the executor keeps the masks in its workspace: the larger size.
       const cudaError_t e = kvp::cuda_executor{}.compress(nullptr, exec_bytes, p, v.cache, v.queries, v.scores,
-                                                          batch_of(*s, di), result_in(d, w, nullptr, nullptr));
+                                                          batch_of(*s, static_cast<const kvp::batch_item*>(d)),
+                                                          result_in(d, w, nullptr, nullptr));
       *bytes = w.executor + round_up(exec_bytes);
       return cuda_code(e);
     });
@@ -59,19 +104,36 @@ int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queri
                       void* workspace, std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
                       std::uintptr_t stream) {
   return guarded([&]() -> int {
-    kvp::require(s != nullptr, "shape", "is a null pointer");
-    kvp::require(workspace != nullptr, "workspace", "is a null pointer");
-    const views v = make_views(*s, kv_cache, queries, f, block_table, lengths);
-    const ws_layout w = layout_of(*s);
-    kvp::require(workspace_bytes > w.executor, "workspace_bytes", "is {}; kvp_capi_workspace_size says more",
-                 workspace_bytes);
-    return with_policy(*s, [&](const auto& p) -> int {
-      kvp::cuda_executor ex;
-      ex.stream = reinterpret_cast<cudaStream_t>(stream);
-      std::size_t exec_bytes = workspace_bytes - w.executor;
-      return cuda_code(ex.compress(at<std::byte>(workspace, w.executor), exec_bytes, p, v.cache, v.queries, v.scores,
-                                   batch_of(*s, items), result_in(workspace, w, keep_masks, final_scores)));
-    });
+    return compress_on(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, keep_masks,
+                       final_scores, reinterpret_cast<cudaStream_t>(stream), nullptr);
+  });
+}
+
+int kvp_capi_compress_staged(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                             const std::int32_t* block_table, const std::int32_t* lengths, const std::int32_t* items,
+                             void* workspace, std::size_t workspace_bytes, float* stage_ms, std::uintptr_t stream) {
+  return guarded([&]() -> int {
+    kvp::require(stage_ms != nullptr, "stage_ms", "is a null pointer");
+    cudaEvent_t marks[5] = {};
+    int rc = KVP_CAPI_OK;
+    for (auto& e : marks)
+      if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventCreate(&e));
+    const auto st = reinterpret_cast<cudaStream_t>(stream);
+    if (rc == KVP_CAPI_OK) {
+      try {
+        rc = compress_on(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, nullptr,
+                         nullptr, st, marks);
+      } catch (...) {
+        for (auto e : marks)
+          if (e) cudaEventDestroy(e);
+        throw;
+      }
+    }
+    if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventSynchronize(marks[4]));
+    for (int i = 0; rc == KVP_CAPI_OK && i < 4; ++i) rc = cuda_code(cudaEventElapsedTime(&stage_ms[i], marks[i], marks[i + 1]));
+    for (auto e : marks)
+      if (e) cudaEventDestroy(e);
+    return rc;
   });
 }
 

@@ -1,4 +1,5 @@
-/* kvp_capi: a C face of kvpolicy's executors, for ctypes (zipage_reference.py, hard_kv_reference.py).
+/* kvp_capi: a C face of kvpolicy's executors, for ctypes (zipage_reference.py, hard_kv_reference.py,
+ * kara_reference.py).
  *
  * Two libraries export it:
  *   libkvp_capi.so       (kvp_capi.cu)       kvp::cuda_executor, device pointers, asynchronous on a stream
@@ -7,9 +8,29 @@
  * Layouts (nano-vllm): cache `[2, L, num_blocks, b, h_kv, d]`, queries
  * `[L, query_slots, query_window, h_q, d]` (each slot's newest queries last), F
  * `[L, num_blocks, b, h_kv]` fp32, block table int32 `[num_seqs, max_blocks_per_seq]`,
- * lengths int32 `[num_seqs]`, batch items int32 quadruples `[num_items, 4]` = (seq,
- * query slot, budget, history tokens). Optional outputs: keep masks uint8 and final
- * scores fp32 (after protect), both `[num_items, layers of the batch, h_kv, max_tokens]`.
+ * lengths int32 `[num_seqs]`, batch items int32 `[num_items, 4]` = (seq, query slot,
+ * budget, history tokens), or `[num_items, 5]` for KVP_CAPI_KARA, whose fifth column
+ * is window_begin (the columns of kvp::batch_item; below). Optional outputs: keep masks
+ * uint8 and final scores fp32 (after protect), both `[num_items, layers of the batch,
+ * h_kv, max_tokens]`; entries a row does not cover are left as they were.
+ *
+ * KVP_CAPI_KARA is kvp::presets::kara (KvLLM: window |W| 768, buffer |U| 32, gamma 8,
+ * alpha 16), compressing each item's window alone (layout::window_compact):
+ *   - window_begin: the window's first token, a multiple of block_size, with at least
+ *     768 tokens from it to the sequence's end; tokens before it are neither read nor
+ *     written, tokens after the window (a last, partial block) move down with it;
+ *   - budget: tokens kept of the window's first 736 (W \ U); 225 keeps KvLLM's 257 of
+ *     768. history tokens: unused (0). F: unused (any valid pointer);
+ *   - queries: the slot's last 768 entries are the window's tokens' queries, oldest
+ *     first (query_window >= 768);
+ *   - masks and final scores cover the window: entry t of a row is token
+ *     window_begin + t, for t < length - window_begin. Final scores are Kara's column
+ *     sums for t < 736 and +inf for the buffer and the tokens after the window;
+ *   - new lengths count from the sequence's start (window_begin + what the window and
+ *     the tokens after it keep).
+ * The four-column policies' items are widened to kvp::batch_item (window_begin 0) in
+ * the workspace, by one small kernel on the stream ahead of the compression (CUDA) or
+ * on the host (host library).
  *
  * The caller's workspace holds the result words (status, new lengths, released
  * blocks) and the executor's own workspace; kvp_capi_workspace_size sizes it.
@@ -35,7 +56,7 @@ extern "C" {
 #endif
 
 enum { KVP_CAPI_OK = 0, KVP_CAPI_EINVAL = 1, KVP_CAPI_ECUDA = 2, KVP_CAPI_EOTHER = 3 };
-enum { KVP_CAPI_ZIPAGE = 0, KVP_CAPI_SNAPKV = 1, KVP_CAPI_HARD_KV = 2 };
+enum { KVP_CAPI_ZIPAGE = 0, KVP_CAPI_SNAPKV = 1, KVP_CAPI_HARD_KV = 2, KVP_CAPI_KARA = 3 };
 
 /* Must match `class KvpShape(ctypes.Structure)` in zipage_reference.py, field for field. */
 typedef struct kvp_capi_shape {
@@ -45,8 +66,8 @@ typedef struct kvp_capi_shape {
   int32_t num_items, max_tokens;        /* batch; max_tokens >= every batch sequence's length */
   int32_t layer_begin, layer_count;     /* layers [layer_begin, layer_begin + layer_count); 0 = to the end */
   int32_t dtype;                        /* 0 f16, 1 bf16, 2 f32 (kvp::dtype) */
-  int32_t policy;                       /* KVP_CAPI_ZIPAGE, KVP_CAPI_SNAPKV or KVP_CAPI_HARD_KV (temperatures
-                                           solved at every call: no state kept) */
+  int32_t policy;                       /* KVP_CAPI_ZIPAGE, KVP_CAPI_SNAPKV, KVP_CAPI_HARD_KV (temperatures
+                                           solved at every call: no state kept) or KVP_CAPI_KARA */
 } kvp_capi_shape;
 
 KVP_CAPI_EXPORT int kvp_capi_shape_size(void);
@@ -60,6 +81,19 @@ KVP_CAPI_EXPORT int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, c
                                       const int32_t* block_table, const int32_t* lengths, const int32_t* items,
                                       void* workspace, size_t workspace_bytes, uint8_t* keep_masks,
                                       float* final_scores, uintptr_t stream);
+
+/* kvp_capi_compress with the executor's stage marks, then a synchronisation of `stream`:
+ * stage_ms (host, [4]) gets the milliseconds between consecutive marks. CUDA: the
+ * stages in the order they run (cuda_executor::stage_marks): score, redundancy,
+ * epilogue (aggregate + select), layout, except where the redundancy stage computes
+ * the softmax statistics (zipage on blocks of 256), which runs it first: redundancy,
+ * score, ...; a stage the pipeline lacks takes about 0. The marks keep the stages from
+ * overlapping, so the sum is a little above kvp_capi_compress's time. Host: the host
+ * executor's own times of score, redundancy, aggregate + select, layout. */
+KVP_CAPI_EXPORT int kvp_capi_compress_staged(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                                             const int32_t* block_table, const int32_t* lengths,
+                                             const int32_t* items, void* workspace, size_t workspace_bytes,
+                                             float* stage_ms, uintptr_t stream);
 
 /* Synchronises `stream`, copies the 6 status words to host_words (may be null);
  * returns KVP_CAPI_EINVAL with the message when the compression was rejected. */

@@ -1,7 +1,7 @@
 // libkvp_capi_host.so: the C API of kvp_capi.h over kvp::host_executor, on host
-// pointers, synchronous (the stream argument is ignored). It lets
-// zipage_reference.py --device cpu check the PyTorch reference against the
-// library's semantics on a machine without a GPU.
+// pointers, synchronous (the stream argument is ignored). It lets the references'
+// --device cpu (zipage_reference.py, hard_kv_reference.py, kara_reference.py) check
+// the PyTorch code against the library's semantics on a machine without a GPU.
 #include "capi_common.hpp"  // first: kvpolicy's error.hpp sets FMT_USE_CONSTEXPR before fmt is seen
 
 #include <algorithm>
@@ -12,6 +12,46 @@
 namespace {
 
 using namespace kvp_capi;
+
+// One compression; results into the workspace (and the optional masks and scores).
+kvp::stage_times compress_host(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                               const std::int32_t* block_table, const std::int32_t* lengths,
+                               const std::int32_t* items, void* workspace, std::size_t workspace_bytes,
+                               std::uint8_t* keep_masks, float* final_scores) {
+  kvp::require(s != nullptr, "shape", "is a null pointer");
+  kvp::require(workspace != nullptr, "workspace", "is a null pointer");
+  const ws_layout w = layout_of(*s);
+  kvp::require(workspace_bytes >= w.executor, "workspace_bytes", "is {}; kvp_capi_workspace_size says {}",
+               workspace_bytes, w.executor);
+  kvp::require(items != nullptr || s->num_items == 0, "items", "is a null pointer");
+  const views v = make_views(*s, kv_cache, queries, f, block_table, lengths);
+  const std::vector<kvp::batch_item> batch = host_items(*s, items);
+  const std::span<const kvp::batch_item> span(batch);
+  auto* status = at<std::int32_t>(workspace, w.status);
+  std::fill_n(status, kvp::status_words, 0);
+  const kvp::host_executor hx{.record_keep_masks = keep_masks != nullptr, .record_scores = final_scores != nullptr};
+  const kvp::host_result r = with_policy(*s, [&](const auto& p) {
+    return hx.compress(p, v.cache, v.queries, v.scores, kvp::compression_batch{span, s->layer_begin, s->layer_count});
+  });
+  const std::int32_t layers = s->layer_count > 0 ? s->layer_count : s->num_layers - s->layer_begin;
+  const std::size_t rows = std::size_t(layers) * s->num_kv_heads, pitch = std::size_t(s->max_tokens);
+  const std::int32_t blocks = (s->max_tokens + s->block_size - 1) / s->block_size;
+  for (std::int32_t i = 0; i < s->num_items; ++i) {
+    at<std::int32_t>(workspace, w.new_lengths)[i] = r.new_lengths[i];
+    at<std::int32_t>(workspace, w.released_counts)[i] = static_cast<std::int32_t>(r.released_blocks[i].size());
+    std::copy(r.released_blocks[i].begin(), r.released_blocks[i].end(),
+              at<std::int32_t>(workspace, w.released_blocks) + std::size_t(i) * blocks);
+    // A row covers the tokens the pipeline saw: the window and what follows it (KARA),
+    // the whole sequence otherwise (window_begin 0).
+    const std::size_t T = static_cast<std::size_t>(lengths[span[i].seq] - span[i].window_begin);
+    for (std::size_t row = 0; row < rows; ++row) {
+      const std::size_t out = (std::size_t(i) * rows + row) * pitch;
+      if (keep_masks) std::copy_n(r.keep_masks[i].begin() + row * T, T, keep_masks + out);
+      if (final_scores) std::copy_n(r.scores[i].begin() + row * T, T, final_scores + out);
+    }
+  }
+  return r.times;
+}
 
 }  // namespace
 
@@ -32,36 +72,22 @@ int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queri
                       void* workspace, std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
                       std::uintptr_t /*stream*/) {
   return guarded([&]() -> int {
-    kvp::require(s != nullptr, "shape", "is a null pointer");
-    kvp::require(workspace != nullptr, "workspace", "is a null pointer");
-    const ws_layout w = layout_of(*s);
-    kvp::require(workspace_bytes >= w.executor, "workspace_bytes", "is {}; kvp_capi_workspace_size says {}",
-                 workspace_bytes, w.executor);
-    kvp::require(items != nullptr || s->num_items == 0, "items", "is a null pointer");
-    const views v = make_views(*s, kv_cache, queries, f, block_table, lengths);
-    const std::span<const kvp::batch_item> span(reinterpret_cast<const kvp::batch_item*>(items),
-                                                static_cast<std::size_t>(s->num_items));
-    auto* status = at<std::int32_t>(workspace, w.status);
-    std::fill_n(status, kvp::status_words, 0);
-    const kvp::host_executor hx{.record_keep_masks = keep_masks != nullptr, .record_scores = final_scores != nullptr};
-    const kvp::host_result r = with_policy(*s, [&](const auto& p) {
-      return hx.compress(p, v.cache, v.queries, v.scores, kvp::compression_batch{span, s->layer_begin, s->layer_count});
-    });
-    const std::int32_t layers = s->layer_count > 0 ? s->layer_count : s->num_layers - s->layer_begin;
-    const std::size_t rows = std::size_t(layers) * s->num_kv_heads, pitch = std::size_t(s->max_tokens);
-    const std::int32_t blocks = (s->max_tokens + s->block_size - 1) / s->block_size;
-    for (std::int32_t i = 0; i < s->num_items; ++i) {
-      at<std::int32_t>(workspace, w.new_lengths)[i] = r.new_lengths[i];
-      at<std::int32_t>(workspace, w.released_counts)[i] = static_cast<std::int32_t>(r.released_blocks[i].size());
-      std::copy(r.released_blocks[i].begin(), r.released_blocks[i].end(),
-                at<std::int32_t>(workspace, w.released_blocks) + std::size_t(i) * blocks);
-      const std::size_t T = static_cast<std::size_t>(lengths[span[i].seq]);
-      for (std::size_t row = 0; row < rows; ++row) {
-        const std::size_t out = (std::size_t(i) * rows + row) * pitch;
-        if (keep_masks) std::copy_n(r.keep_masks[i].begin() + row * T, T, keep_masks + out);
-        if (final_scores) std::copy_n(r.scores[i].begin() + row * T, T, final_scores + out);
-      }
-    }
+    compress_host(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, keep_masks,
+                  final_scores);
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_compress_staged(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
+                             const std::int32_t* block_table, const std::int32_t* lengths, const std::int32_t* items,
+                             void* workspace, std::size_t workspace_bytes, float* stage_ms, std::uintptr_t /*stream*/) {
+  return guarded([&]() -> int {
+    kvp::require(stage_ms != nullptr, "stage_ms", "is a null pointer");
+    const kvp::stage_times t = compress_host(s, kv_cache, queries, f, block_table, lengths, items, workspace,
+                                             workspace_bytes, nullptr, nullptr);
+    // The CUDA library's order: score, redundancy, aggregate + select (its epilogue), layout.
+    const double ms[4] = {t.seconds[0], t.seconds[2], t.seconds[1] + t.seconds[3], t.seconds[4]};
+    for (int i = 0; i < 4; ++i) stage_ms[i] = static_cast<float>(ms[i] * 1e3);
     return KVP_CAPI_OK;
   });
 }
