@@ -246,3 +246,32 @@ TEST_CASE("kara: the preset's defaults are the paper's") {
   CHECK(kvp::presets::kara::kara_budget + k.scorer.buffer == 257);
   CHECK(k.select.anchors(736, kvp::presets::kara::kara_budget) == 209);
 }
+
+TEST_CASE("kara: GQA 4, head dims 64 and 128, windows of several blocks, ragged tails, three sequences") {
+  // The sizes the tensor-core scorer takes (16-bit, head dim a multiple of 16), with a
+  // region (88) that is not a multiple of the 64-key tile, and the fp32 path beside.
+  for (auto type : kvp_test::all_dtypes) {
+    for (int d : {64, 128}) {
+      const int b = 16;
+      test_cache tc({.layers = 2, .block_size = b, .kv_heads = 2, .head_dim = d, .type = type,
+                     .lengths = {3 * b + 96 + 5, 96 + 16, 2 * b + 96 + 1}, .q_heads = 8, .window = 96, .seed = 21});
+      kvp::presets::kara p;
+      p.scorer = {.window = 96, .buffer = 8};
+      p.select = {.gamma = 5, .alpha = 6};
+      const auto before = tc.take_snapshot();
+      const std::vector<kvp::batch_item> items{{.seq = 0, .query_slot = 2, .budget = 30, .window_begin = 3 * b},
+                                               {.seq = 1, .query_slot = 0, .budget = 30, .window_begin = 0},
+                                               {.seq = 2, .query_slot = 1, .budget = 40, .window_begin = 2 * b}};
+      const auto r = kvp_test::run(p, tc, items);
+      INFO(kvp::name_of(type), " d ", d);
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        const int wb = items[i].window_begin, T = tc.length(items[i].seq) - wb;
+        CHECK(r.new_lengths[i] == wb + items[i].budget + (T - 88));
+        for (int row = 0; row < 4; ++row)
+          for (int t = 0; t < wb; ++t)
+            CHECK(tc.token_bytes(kv_kind::k, row / 2, items[i].seq, t, row % 2) ==
+                  tc.token_bytes(before, kv_kind::k, row / 2, items[i].seq, t, row % 2));
+      }
+    }
+  }
+}

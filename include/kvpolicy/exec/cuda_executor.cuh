@@ -125,23 +125,29 @@ struct cuda_executor {
     const layer_range layers = check_call(pv, cache, queries, scores, batch);
     const cuda::device_limits dev = cuda::device_limits::current();
     const cuda::executor_options opt = options();
-    const cuda::stage_context<P> c{pv, cache, queries, scores, dev, opt, batch.max_tokens};
-    const cuda::dispatch<P> d(c);
+    // A window-only layout runs every stage over the items' windows: the view's rows
+    // shifted through arrays at the front of the workspace (cuda::window_view).
+    constexpr bool windowed = window_only<L>();
+    const std::size_t window_bytes = windowed ? cuda::window_rows_bytes(cache.num_seqs) : 0;
+    const paged_kv_view view = windowed ? cuda::window_view(cache, temp) : cache;
+    const cuda::stage_context<P> c{pv, view, queries, scores, dev, opt, batch.max_tokens};
+    const cuda::dispatch<P> d(c, windowed ? &cache : nullptr);
     const cuda::row_space rs{batch.items, batch.num_items, layers.begin, layers.end - layers.begin,
                              cache.num_kv_heads,  batch.max_tokens, out.status};
     const auto plan = d.plan(rs.rows(), batch.num_items);
     d.check(plan);
     const auto ws = d.layout(plan, batch.num_items, out.keep_masks != nullptr, !batch.targets.empty());
     if (temp == nullptr) {
-      temp_bytes = ws.total;
+      temp_bytes = window_bytes + ws.total;
       return cudaSuccess;
     }
-    require(temp_bytes >= ws.total, "temp_bytes", "is {}; the batch needs {}", temp_bytes, ws.total);
+    require(temp_bytes >= window_bytes + ws.total, "temp_bytes", "is {}; the batch needs {}", temp_bytes,
+            window_bytes + ws.total);
     require(out.status && out.new_lengths && out.released_counts && out.released_blocks, "out",
             "needs status, new_lengths, released_counts and released_blocks (a null pointer was given)");
     require(batch.num_items == 0 || batch.items != nullptr, "batch.items", "is a null pointer");
 
-    d.run(plan, ws, static_cast<std::byte*>(temp), rs, batch.targets, out,
+    d.run(plan, ws, static_cast<std::byte*>(temp) + window_bytes, rs, batch.targets, out,
           cuda::schedule{stream, overlap_stream, overlap_events, overlap_groups, stage_marks});
     if (mirror.status) {
       cudaMemcpyAsync(mirror.status, out.status, status_words * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream);
@@ -201,6 +207,8 @@ struct cuda_executor {
             "are given, but the layout moves no token: a shared prefix would keep its shared blocks");
     require(batch.targets.empty() || batch.targets.blocks != nullptr, "batch.targets.blocks",
             "is a null pointer while batch.targets.indptr is set");
+    require(batch.targets.empty() || !window_only<typename P::layout_type>(), "batch.targets",
+            "are given, but a window-only layout writes no block before the window: no shared prefix needs targets");
     if (overlap_stream) {
       require(overlap_events != nullptr, "overlap_events", "is a null pointer while overlap_stream is set");
       require(overlap_groups >= 1, "overlap_groups", "is {}; must be at least 1 when overlap_stream is set",

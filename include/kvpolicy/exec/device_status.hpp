@@ -31,6 +31,8 @@ enum class status_code : std::int32_t {
   target_out_of_range,       // a = index into targets.blocks, b = block id
   target_held,               // a = block id, b = the sequence holding it, c = the item it is a target of
   prefix_block_written,      // a = seq, b = logical block, c = block id (another item's shared prefix)
+  window_begin_invalid,      // a = window_begin, b = seq, c = length, d = block size
+  window_without_layout,     // a = window_begin (a layout that is not window-only)
 };
 
 // Words: [code, item, a, b, c, d, e, f]. The first error found wins (atomicCAS on code).
@@ -96,6 +98,13 @@ inline void throw_if_error(const std::int32_t* w) {
       throw error(entry(), detail::format("is block id {}, which another batch item reads as its shared prefix; a "
                                           "block two sequences share is never written",
                                           c));
+    case status_code::window_begin_invalid:
+      throw error(item("window_begin"),
+                  a < 0 || a % d != 0 ? detail::format("is {}; a window starts on a block boundary (block size {})", a, d)
+                             : detail::format("is {}; seq {} holds {} tokens", a, b, c));
+    case status_code::window_without_layout:
+      throw error(item("window_begin"),
+                  detail::format("is {}; only a window-only layout (layout::window_compact) compresses a window", a));
   }
   throw error("status", detail::format("unknown device status code {}", w[0]));
 }

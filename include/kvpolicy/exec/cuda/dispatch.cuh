@@ -97,7 +97,9 @@ class dispatch {
   using layout_stage = typename plan_type::layout_stage;
   using layout_type = workspace_layout<P>;
 
-  explicit dispatch(const stage_context<P>& c) : c_(c) {}
+  // `whole`: for window-only layouts, the engine's view, whose rows the context's
+  // (shifted to each item's window, window_view) are computed from at the start of run().
+  explicit dispatch(const stage_context<P>& c, const paged_kv_view* whole = nullptr) : c_(c), whole_(whole) {}
 
   bool statistics() const {
     return std::same_as<score_stage, attention_score_stage> && redundancy_stage::computes_statistics(c_);
@@ -215,6 +217,16 @@ class dispatch {
     if (rs.num_items == 0) {
       mark(1), mark(2), mark(3), mark(4);
       return;
+    }
+    if (whole_) {
+      // The shifted rows first: validation and every stage read the window's.
+      auto* first = const_cast<std::int32_t*>(c_.cache.table.first);
+      auto* lengths = const_cast<std::int32_t*>(c_.cache.lengths);
+      const std::int32_t seqs = whole_->num_seqs;
+      window_rows_reset_kernel<> <<<(seqs + row_threads - 1) / row_threads, row_threads, 0, sc.stream>>>(
+          whole_->lengths, seqs, first, lengths);
+      window_rows_kernel<> <<<(rs.num_items + row_threads - 1) / row_threads, row_threads, 0, sc.stream>>>(
+          whole_->lengths, seqs, whole_->block_size, rs, first, lengths);
     }
     validate(pl, w, ws, rs, targets, out.nonfinite_counts, sc.stream);
     if (!sc.overlap_stream) {
@@ -341,7 +353,25 @@ class dispatch {
 
  private:
   const stage_context<P>& c_;
+  const paged_kv_view* whole_ = nullptr;
 };
+
+// Bytes at the front of the workspace that hold the shifted rows of a window-only
+// layout: first[num_seqs] and lengths[num_seqs].
+inline std::size_t window_rows_bytes(std::int32_t num_seqs) {
+  return 2 * ((static_cast<std::size_t>(num_seqs) * sizeof(std::int32_t) + 255) / 256 * 256);
+}
+
+// The engine's view with every row read through the window arrays at `temp` (null
+// while sizing the workspace: then the view is the engine's, for planning only).
+inline paged_kv_view window_view(const paged_kv_view& cache, void* temp) {
+  paged_kv_view v = cache;
+  if (temp == nullptr) return v;
+  auto* first = static_cast<std::int32_t*>(temp);
+  v.table.first = first;
+  v.lengths = reinterpret_cast<std::int32_t*>(static_cast<std::byte*>(temp) + window_rows_bytes(cache.num_seqs) / 2);
+  return v;
+}
 
 }  // namespace cuda
 KVP_NAMESPACE_END

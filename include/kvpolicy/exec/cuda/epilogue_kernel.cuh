@@ -133,16 +133,24 @@ struct epilogue_out {
 
 // The item's new length, the blocks it releases (the targets it did not use too) and,
 // when asked for, its new table; written by one thread.
+// A window-only layout's view is shifted to the item's window (`window_begin`
+// tokens on): the length counts from the sequence's start again, and the table keeps
+// the blocks before the window.
 __device__ inline void write_item_result(const epilogue_out& out, const paged_kv_view& cache, std::int32_t item,
-                                         std::int32_t seq, std::int32_t T, std::int32_t new_length) {
+                                         std::int32_t seq, std::int32_t T, std::int32_t new_length,
+                                         std::int32_t window_begin) {
   const std::int32_t b = cache.block_size, used = (T + b - 1) / b, kept = (new_length + b - 1) / b;
+  const std::int32_t before = window_begin / b;
   const destination_table to = destination_table::of(cache.table, seq, out.targets, item);
-  out.new_lengths[item] = new_length;
+  out.new_lengths[item] = window_begin + new_length;
   out.released_counts[item] = used - kept;
   for (std::int32_t k = kept; k < used; ++k)
     out.released_blocks[std::int64_t{item} * out.max_blocks + (k - kept)] = to.block(k);
-  if (out.new_tables)
-    for (std::int32_t k = 0; k < kept; ++k) out.new_tables[std::int64_t{item} * out.max_blocks + k] = to.block(k);
+  if (out.new_tables) {
+    std::int32_t* table = out.new_tables + std::int64_t{item} * out.max_blocks;
+    for (std::int32_t k = 0; k < before; ++k) table[k] = cache.table.unshifted(seq, k);
+    for (std::int32_t k = 0; k < kept; ++k) table[before + k] = to.block(k);
+  }
 }
 
 // `rows_global`: null when the row and its pooling copy fit in shared memory;
@@ -217,30 +225,38 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
     if (p.protect.covers(t, T) || t >= n) s[t] = inf;
   __syncthreads();
 
-  // How many the row keeps, then which: the keep_count largest rank keys.
+  // How many the row keeps, then which: the keep_count largest rank keys, or the
+  // selector's pattern (a pattern kind, select_count.cuh).
   const std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window);
   const count_inputs in{s, scored ? scores_in + base : nullptr, T, n, must, it.budget, head_index{rc.layer, rc.head},
                          it.query_slot};
   const std::int32_t keep_count = count_kind::keep_count(p.select, in, count_storage);
-  std::uint64_t threshold = 0;
-  if constexpr (!std::same_as<Sel, none>) {
-    threshold = block_kth_largest([&](std::int32_t t) { return rank_bits(p.select.rank_key(s[t], t, T), t); }, T,
-                                  keep_count, sh.select);
+  if constexpr (is_pattern_kind<count_kind>) {
+    // The pooling copy is free again: the pattern's working positions.
+    count_kind::keep(p.select, in, out.keep + base, reinterpret_cast<std::int32_t*>(tmp), sh.select);
+    if (out.scores)
+      for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) out.scores[base + t] = s[t];
+  } else {
+    std::uint64_t threshold = 0;
+    if constexpr (!std::same_as<Sel, none>) {
+      threshold = block_kth_largest([&](std::int32_t t) { return rank_bits(p.select.rank_key(s[t], t, T), t); }, T,
+                                    keep_count, sh.select);
+    }
+    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+      bool keep = true;
+      if constexpr (!std::same_as<Sel, none>) keep = rank_bits(p.select.rank_key(s[t], t, T), t) >= threshold;
+      out.keep[base + t] = keep;
+      if (out.scores) out.scores[base + t] = s[t];
+    }
   }
-  for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
-    bool keep = true;
-    if constexpr (!std::same_as<Sel, none>) keep = rank_bits(p.select.rank_key(s[t], t, T), t) >= threshold;
-    out.keep[base + t] = keep;
-    if (out.scores) out.scores[base + t] = s[t];
-  }
-  if (threadIdx.x == 0 && out.kept_counts) out.kept_counts[row] = keep_count;
+  if (threadIdx.x == 0 && out.kept_counts) out.kept_counts[row] = it.window_begin + keep_count;
 
   // The item's new length and released blocks: with one count for every row, the
   // item's first row writes them; else the item's last row to finish, from the
   // largest count of all its rows (layers share the item's block table).
   if constexpr (uniform_counts<Sel>) {
     if (threadIdx.x == 0 && rc.layer == rs.layer_begin && rc.head == 0)
-      write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? keep_count : T);
+      write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? keep_count : T, it.window_begin);
   } else {
     if (threadIdx.x == 0) {
       atomicMax(out.item_max + rc.item, keep_count);
@@ -249,7 +265,7 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
       if (atomicAdd(out.item_rows_done + rc.item, 1) == rows_per_item - 1) {
         __threadfence();
         const std::int32_t longest = atomicAdd(out.item_max + rc.item, 0);
-        write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? longest : T);
+        write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? longest : T, it.window_begin);
       }
     }
   }

@@ -12,6 +12,7 @@
 #include "kvpolicy/exec/cuda/launch.cuh"
 #include "kvpolicy/exec/cuda/select_count.cuh"
 #include "kvpolicy/exec/cuda/stage_attention_score.cuh"
+#include "kvpolicy/exec/cuda/stage_bidirectional_score.cuh"
 #include "kvpolicy/exec/cuda/stage_block_redundancy.cuh"
 #include "kvpolicy/exec/cuda/stage_compact.cuh"
 #include "kvpolicy/exec/cuda/stage_context.cuh"
@@ -19,6 +20,7 @@
 #include "kvpolicy/exec/cuda/stage_key_score.cuh"
 #include "kvpolicy/pipeline/concepts.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"
+#include "kvpolicy/scorer/bidirectional_window.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -69,6 +71,11 @@ template <class S>
   requires(KeyScorer<S> && !AttentionScorer<S>)
 struct score_stage_of<S> {
   using type = key_score_stage;
+};
+// All of the window's queries, not a few observation queries: a kind of its own.
+template <>
+struct score_stage_of<scorer::bidirectional_window> {
+  using type = bidirectional_score_stage;
 };
 
 template <class R>

@@ -125,6 +125,9 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
   }
 
   if (threadIdx.x != 0) return;
+  if constexpr (!window_only<typename P::layout_type>()) {
+    if (it.window_begin != 0) return report(rs.status, status_code::window_without_layout, i, it.window_begin);
+  }
   if (it.budget <= 0) return report(rs.status, status_code::budget_not_positive, i, it.budget);
   if (it.budget > T) return report(rs.status, status_code::budget_over_length, i, it.budget, it.seq, T);
   const std::int32_t w = scorer_window(p.scorer);
@@ -236,6 +239,37 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
              id, seq);
     }
   }
+}
+
+// Window-only layouts: the view every later kernel reads has each batch row shifted
+// to its window (block_table_view::first) and the window's length in place of the
+// sequence's. Two launches on the stream: every sequence as it is, then each batch
+// item's window, checked here (the validation after it sees only the window).
+// `first` and `lengths` are the workspace arrays the shifted view points at.
+// Templates, as claim_blocks_kernel: a header's kernels are defined in every TU.
+template <int = 0>
+__global__ void __launch_bounds__(row_threads) window_rows_reset_kernel(const std::int32_t* lengths_in,
+                                                                        std::int32_t num_seqs, std::int32_t* first,
+                                                                        std::int32_t* lengths) {
+  const auto seq = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (seq >= num_seqs) return;
+  first[seq] = 0;
+  lengths[seq] = lengths_in[seq];
+}
+
+template <int = 0>
+__global__ void __launch_bounds__(row_threads) window_rows_kernel(const std::int32_t* lengths_in, std::int32_t num_seqs,
+                                                                  std::int32_t block_size, row_space rs,
+                                                                  std::int32_t* first, std::int32_t* lengths) {
+  const auto i = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= rs.num_items) return;
+  const batch_item it = rs.items[i];
+  if (it.seq < 0 || it.seq >= num_seqs) return;  // the validation reports it
+  const std::int32_t T = lengths_in[it.seq];
+  if (it.window_begin < 0 || it.window_begin % block_size != 0 || it.window_begin >= T)
+    return report(rs.status, status_code::window_begin_invalid, i, it.window_begin, it.seq, T, block_size);
+  first[it.seq] = it.window_begin / block_size;
+  lengths[it.seq] = T - it.window_begin;
 }
 
 }  // namespace cuda
