@@ -30,7 +30,7 @@ struct device_call {
   const cache_description* cache = nullptr;
   kvp::query_window_view queries{};
   kvp::score_view scores{};
-  // Items: rows (seq, query_slot, budget, history_tokens) either in device memory
+  // Items: rows (seq, query_slot, budget, history_tokens, window_begin) either in device memory
   // (device_items) or in host memory (host_items), which the call uploads through
   // kernel arguments into its workspace, so that a captured graph holds them.
   const kvp::batch_item* device_items = nullptr;

@@ -14,7 +14,8 @@ from .errors import Error
 
 # The four columns of a batch item, in kvp::batch_item's memory order (csrc/items.hpp
 # asserts it): one int32 row per item. _device_items keeps the same order.
-_ITEM_COLUMNS = ("seq", "query_slot", "budget", "history_tokens")
+# kvp::batch_item, column for field; window_begin stays 0: no window-only preset here yet.
+_ITEM_COLUMNS = ("seq", "query_slot", "budget", "history_tokens", "window_begin")
 
 
 @dataclasses.dataclass
@@ -91,8 +92,9 @@ def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
         "query_slot": seq if query_slots is None else _column("query_slots", query_slots, n),
         "budget": _column("budgets", budgets, n),
         "history_tokens": _column("history_tokens", history_tokens, n),
+        "window_begin": np.zeros(n, dtype=np.int64),
     }
-    items = np.empty((n, 4), dtype=np.int32)
+    items = np.empty((n, len(_ITEM_COLUMNS)), dtype=np.int32)
     for j, name in enumerate(_ITEM_COLUMNS):
         items[:, j] = np.broadcast_to(columns[name], (n,))
     return items
@@ -107,7 +109,7 @@ def _device_items(seqs, budgets, history_tokens, query_slots, device: int, strea
     vectors (lists, NumPy) are copied to the device, which a CUDA graph capture cannot
     do from pageable memory: while the stream is capturing they raise kvpolicy.Error."""
     named = {"seqs": seqs, "budgets": budgets, "history_tokens": history_tokens,
-             "query_slots": seqs if query_slots is None else query_slots}
+             "query_slots": seqs if query_slots is None else query_slots, "window_begins": 0}
     kinds = {type(x).__module__.split(".")[0] for x in named.values() if is_device_array(x)}
     if kinds not in ({"torch"}, {"cupy"}):
         raise Error(
@@ -153,8 +155,8 @@ def _device_items(seqs, budgets, history_tokens, query_slots, device: int, strea
             if x.ndim > 1 or (x.ndim == 1 and x.shape[0] != n):
                 raise Error(f"kvpolicy: {name}: has shape {tuple(x.shape)}; expected an int or {n} values", name)
         rows = [xp.broadcast_to(columns[name].reshape(-1) if columns[name].ndim else columns[name], (n,))
-                for name in ("seqs", "query_slots", "budgets", "history_tokens")]
-        return xp.stack(rows, 1)  # a new, contiguous [n, 4]
+                for name in ("seqs", "query_slots", "budgets", "history_tokens", "window_begins")]
+        return xp.stack(rows, 1)  # a new, contiguous [n, 5]
 
 
 def _items(seqs, budgets, history_tokens, query_slots, cache, stream):
@@ -246,8 +248,8 @@ def run(
     workspace=None,
     check: bool = True,
 ) -> CompressResult:
-    """``compress`` with the items as one int32 array [n, 4] of rows (seq, query_slot,
-    budget, history_tokens), host or device: what the torch op passes."""
+    """``compress`` with the items as one int32 array [n, 5] of rows (seq, query_slot,
+    budget, history_tokens, window_begin), host or device: what the torch op passes."""
     if cache.device is None:
         out = _core.host_compress(
             policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or 0, return_masks, return_scores
@@ -306,7 +308,7 @@ def workspace_bytes(
     """
     if cache.device is None:
         return 0
-    items = np.zeros((num_items, 4), dtype=np.int32)
+    items = np.zeros((num_items, len(_ITEM_COLUMNS)), dtype=np.int32)
     return _core.device_workspace_bytes(
         policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or cache.max_tokens, return_masks
     )

@@ -218,7 +218,7 @@ def compress(
 
     items = torch.stack(
         [col(seq, "seqs"), col(seq if query_slots is None else query_slots, "query_slots"), col(budgets, "budgets"),
-         col(history_tokens, "history_tokens")],
+         col(history_tokens, "history_tokens"), col(0, "window_begins")],
         dim=1,
     ).contiguous()
     _, block, _ = _sizes(layout, tensors)
