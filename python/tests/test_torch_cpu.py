@@ -41,7 +41,7 @@ def test_torch_tensors_in_and_out():
 
 def op_args(case, args, layout="vllm_flash", policy=None, return_masks=True):
     policy = policy or kvpolicy.SnapKV(window=8)
-    items = torch.tensor([[0, 0, 20, 0], [2, 2, 16, 0]], dtype=torch.int32)
+    items = torch.tensor([[0, 0, 20, 0, 0], [2, 2, 16, 0, 0]], dtype=torch.int32)  # kvp::batch_item rows
     return (ops.policy_spec(policy), layout, args.get("kv", []), args.get("k", []), args.get("v", []),
             torch.from_numpy(case.block_table), None, None, torch.from_numpy(case.lengths),
             torch.from_numpy(case.queries).to(torch.bfloat16), None, None, items, 0, 0, 40, return_masks)
