@@ -45,7 +45,9 @@ nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle i
     r = std::visit([&](const auto& p) { return ex.compress(p, view, queries, scores, batch); }, pol);
   }
 
-  // Per-item results padded to one width: the longest batch sequence, or max_tokens.
+  // Per-item results padded to one width: the longest batch sequence, or max_tokens. A
+  // window-only preset's masks and scores cover the item's window, [window_begin, T):
+  // entry t is token window_begin + t, and the row holds T - window_begin entries.
   const std::size_t n = batch_items.size();
   std::int32_t longest = 0;
   for (const kvp::batch_item& it : batch_items) longest = std::max(longest, c.seqs.lengths[it.seq]);
@@ -64,7 +66,8 @@ nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle i
     released_counts[i] = static_cast<std::int32_t>(r.released_blocks[i].size());
     std::copy(r.released_blocks[i].begin(), r.released_blocks[i].end(), released.begin() + i * max_blocks);
     std::copy(r.kept_counts[i].begin(), r.kept_counts[i].end(), kept.begin() + i * rows);
-    const std::size_t T = static_cast<std::size_t>(c.seqs.lengths[batch_items[i].seq]);
+    const std::size_t T =
+        static_cast<std::size_t>(c.seqs.lengths[batch_items[i].seq] - batch_items[i].window_begin);
     for (std::size_t row = 0; row < rows; ++row) {
       if (return_masks)
         std::copy_n(r.keep_masks[i].begin() + row * T, T, masks.begin() + (i * rows + row) * width);

@@ -1,4 +1,4 @@
-// The policies the package exposes: the eight presets, as one value type. Plain C++
+// The policies the package exposes: the nine presets, as one value type. Plain C++
 // (no nanobind), so the nvcc-compiled device path and the bindings share it.
 #pragma once
 
@@ -13,7 +13,7 @@ namespace kvpy {
 
 using policy = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::presets::gkv, kvp::presets::snapkv,
                             kvp::presets::h2o, kvp::presets::streaming_llm, kvp::presets::hard_kv,
-                            kvp::presets::hard_kv_rkv>;
+                            kvp::presets::hard_kv_rkv, kvp::presets::kara>;
 
 // The preset's name as kvp::presets spells it ("zipage", "streaming_llm").
 template <class P>
@@ -25,6 +25,7 @@ constexpr std::string_view preset_name() noexcept {
   else if constexpr (std::is_same_v<P, kvp::presets::h2o>) return "h2o";
   else if constexpr (std::is_same_v<P, kvp::presets::hard_kv>) return "hard_kv";
   else if constexpr (std::is_same_v<P, kvp::presets::hard_kv_rkv>) return "hard_kv_rkv";
+  else if constexpr (std::is_same_v<P, kvp::presets::kara>) return "kara";
   else return "streaming_llm";
 }
 

@@ -186,7 +186,20 @@ template <class P>
 std::vector<knob<P>> knobs_of() {
   using namespace kvp::presets;
   std::vector<knob<P>> k;
-  if constexpr (std::is_same_v<P, streaming_llm>) {
+  if constexpr (std::is_same_v<P, kara>) {
+    // Kara scores a window bidirectionally and keeps its own pattern: no protect (both
+    // 0, as pattern selectors need), no causal mask, no keys before a window.
+    k.push_back(int_knob<P>("window", "|W|: the tokens of a window and the queries scored (scorer.window)",
+                            [](P& p) -> auto& { return p.scorer.window; }));
+    k.push_back(int_knob<P>("buffer", "|U|: the window's newest tokens, never evicted nor scored (scorer.buffer)",
+                            [](P& p) -> auto& { return p.scorer.buffer; }));
+    k.push_back(enum_knob<P>("group", "reduction over a KV head's query heads (scorer.group)", group_names,
+                             [](P& p) -> auto& { return p.scorer.group; }));
+    k.push_back(int_knob<P>("gamma", "longest chunk, both anchors included, >= 3 (select.gamma)",
+                            [](P& p) -> auto& { return p.select.gamma; }));
+    k.push_back(int_knob<P>("alpha", "tokens the chunks and the fill may add to the anchors (select.alpha)",
+                            [](P& p) -> auto& { return p.select.alpha; }));
+  } else if constexpr (std::is_same_v<P, streaming_llm>) {
     k.push_back({"sinks", "the first tokens kept (select.sinks and protect.sinks)",
                  [](const P& p) { return nb::int_(p.select.sinks); },
                  [](P& p, nb::handle v) { p.select.sinks = p.protect.sinks = to_int(v, "sinks"); }});
@@ -253,6 +266,10 @@ void bind_preset(nb::module_& m, const char* py_name, const char* doc) {
   }
   cls.def_prop_ro_static("name", [](nb::handle) { return std::string(preset_name<P>()); },
                          "the preset's name in kvp::presets");
+  if constexpr (std::is_same_v<P, kvp::presets::kara>) {
+    cls.def_prop_ro_static("kara_budget", [](nb::handle) { return kvp::presets::kara::kara_budget; },
+                           "KvLLM's budget per window: tokens kept of W \\ U (225: 257 of 768 with the buffer)");
+  }
   cls.def(
       "params",
       [](const P& p) {
@@ -307,6 +324,15 @@ void register_presets(nb::module_& m) {
       m, "HardKVRKV",
       "Hard-KV with R-KV's scores: R-KV's stages (keys before the window, max pool 7, full redundancy tau 1, lambda "
       "0.1) -> calibrated top-p as HardKV -> compact, each KV head to its own count.");
+  bind_preset<kvp::presets::kara>(
+      m, "Kara",
+      "Kara, a window at a time: bidirectional attention among the |W| tokens of a window (every query of the "
+      "window sees every key; group sum, |W| 768, buffer |U| 32) -> Token2Chunk (the top budget - alpha tokens of "
+      "W \\ U, the interiors of the best chunks of at most gamma 8 between them, the best remaining tokens; alpha "
+      "16) -> compaction of the window alone. Runs over [window_begins[i], T) of each item (compress's "
+      "window_begins, a multiple of the block size); the budget counts the tokens kept of W \\ U (kara_budget 225 "
+      "keeps 257 of 768); the query slot holds the window's |W| queries, oldest first. Masks and scores cover the "
+      "window.");
   bind_preset<kvp::presets::streaming_llm>(
       m, "StreamingLLM", "StreamingLLM: no scores; keeps the first `sinks` tokens and the most recent ones -> compact.");
 }

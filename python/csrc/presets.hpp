@@ -5,7 +5,7 @@
 
 namespace kvpy {
 
-// Binds Zipage, RKV, GKV, SnapKV, H2O and StreamingLLM: keyword arguments mapped onto
+// Binds Zipage, RKV, GKV, SnapKV, H2O, StreamingLLM, HardKV, HardKVRKV and Kara: keyword arguments mapped onto
 // the preset's fields, each also a read-write property; `params()` returns them all.
 void register_presets(nanobind::module_& m);
 

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+
+def whole_sequence(result, begins, lengths, seqs):
+    """A window-only preset's result (Kara: keep masks over [window_begin, T)) with its
+    keep masks widened to the whole sequence, the tokens before each window kept where
+    they are, as check_moved reads them."""
+    masks = np.zeros_like(np.asarray(result.keep_masks))
+    for i, (seq, wb) in enumerate(zip(seqs, begins)):
+        T = int(lengths[seq])
+        masks[i, :, :, :wb] = 1
+        masks[i, :, :, wb:T] = np.asarray(result.keep_masks)[i, :, :, : T - wb]
+    return dataclasses.replace(result, keep_masks=masks)
 
 
 def check_moved(case, before: np.ndarray, after: np.ndarray, seqs, lengths, result, positions_before=None,

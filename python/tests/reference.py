@@ -49,3 +49,51 @@ def snapkv_scores(keys: np.ndarray, queries: np.ndarray, window: int = 32, kerne
     s = p.mean(axis=1).sum(axis=0)
     half = kernel // 2
     return np.array([s[max(t - half, 0) : t + half + 1].max() for t in range(T)])
+
+
+def kara_scores(keys: np.ndarray, queries: np.ndarray, buffer: int, group: str = "sum") -> np.ndarray:
+    """Kara (eq. 4) for one layer and KV head of one window.
+
+    keys [n, d]: the window's compressible region W \\ U (its first |W| - |U| tokens);
+    queries [W, G, d]: the window's own |W| queries, oldest first. Every query sees every
+    key of the region (no causal mask); softmax over the region per query head, the
+    group reduced (sum, mean or max over its G heads), summed over the queries.
+    """
+    d = keys.shape[1]
+    logits = np.einsum("jgd,td->jgt", queries.astype(np.float64), keys.astype(np.float64)) / np.sqrt(d)
+    logits -= logits.max(axis=2, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=2, keepdims=True)
+    reduce = {"sum": np.sum, "mean": np.mean, "max": np.max}[group]
+    return reduce(p, axis=1).sum(axis=0)
+
+
+def _ranked(values, indices) -> list:
+    """Indices ordered best first: larger value first, NaN as -inf, ties to the larger index."""
+    key = [(-np.inf if np.isnan(v) else float(v), i) for v, i in zip(values, indices)]
+    return [i for _, i in sorted(key, reverse=True)]
+
+
+def token2chunk_keep(a: np.ndarray, k: int, gamma: int = 8, alpha: int = 16) -> np.ndarray:
+    """Kara's Token2Chunk (eq. 5-8, C.3) over the region's scores `a` (float32) with budget k.
+
+    1. anchors: the top max(k - alpha, 0) tokens by score;
+    2. chunks: consecutive anchors lo < hi with 2 <= hi - lo < gamma enclose hi - lo - 1
+       tokens, scored R = (a[lo] + a[hi]) * (hi - lo - 1) in float32; the interiors of the
+       best floor(alpha / (gamma - 2)) chunks are kept (ties to the later chunk);
+    3. fill: the best remaining tokens until min(k, n) are kept.
+    """
+    a = np.asarray(a, dtype=np.float32)
+    n = len(a)
+    keep = np.zeros(n, dtype=np.uint8)
+    anchors = sorted(_ranked(a, range(n))[: min(max(k - alpha, 0), n)])
+    keep[anchors] = 1
+    pairs = [(lo, hi) for lo, hi in zip(anchors, anchors[1:]) if 2 <= hi - lo < gamma]
+    r = [(a[lo] + a[hi]) * np.float32(hi - lo - 1) for lo, hi in pairs]
+    for j in _ranked(r, range(len(pairs)))[: alpha // (gamma - 2)]:
+        lo, hi = pairs[j]
+        keep[lo + 1 : hi] = 1
+    rest = [t for t in range(n) if not keep[t]]
+    fill = min(k, n) - int(keep.sum())
+    keep[_ranked(a[rest], rest)[: max(fill, 0)]] = 1
+    return keep

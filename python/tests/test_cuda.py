@@ -14,8 +14,9 @@ REQUIRED = os.environ.get("KVPOLICY_REQUIRE_CUDA") == "1"
 torch = pytest.importorskip("torch") if not REQUIRED else __import__("torch")
 
 import kvpolicy  # noqa: E402
-from checks import check_moved  # noqa: E402
+from checks import check_moved, whole_sequence  # noqa: E402
 from paged_case import make_case  # noqa: E402
+from reference import token2chunk_keep  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not REQUIRED and not torch.cuda.is_available(), reason="no CUDA device"),
@@ -90,6 +91,45 @@ def test_device_equals_host(cls):
     if near_tie_differences(rh, rd) == 0:
         np.testing.assert_array_equal(dev.canonical(), host.canonical())
         np.testing.assert_allclose(dev.scores.cpu().numpy(), host.scores.cpu().numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kara_device_equals_host(dtype):
+    """Kara's windows (window_begins, host ints and a device tensor): the 16-bit tensor-core
+    scorer and the fp32 one against the host executor; masks over the window."""
+    b, W, U = 16, 48, 8
+    case = make_case(lengths=(100, 0, 77, 64), window=W, head_dim=64, block_size=b, seed=34)
+    begins = [(int(case.lengths[s]) - 1) // b * b - W for s in (0, 2, 3)]  # 48, 16, 0
+    host, dev = Twin(case, "cpu", dtype), Twin(case, "cuda", dtype)
+    before = dev.canonical()
+    policy = kvpolicy.Kara(window=W, buffer=U, gamma=6, alpha=8)
+    kw = dict(seqs=[0, 2, 3], budgets=[20, 13, 40], return_masks=True, return_scores=True, max_tokens=112)
+    rh = numpy_result(host.compress(policy, window_begins=begins, **kw))
+    rd = numpy_result(dev.compress(policy, window_begins=torch.tensor(begins, device="cuda"), **kw))
+    np.testing.assert_array_equal(rd.new_lengths, rh.new_lengths)
+    np.testing.assert_array_equal(rd.kept_counts, rh.kept_counts)
+    np.testing.assert_array_equal(rd.released_counts, rh.released_counts)
+    np.testing.assert_array_equal(rd.released_blocks, rh.released_blocks)
+    for i, s in enumerate((0, 2, 3)):  # nothing past each window's T - window_begin entries
+        assert not rd.keep_masks[i, ..., int(case.lengths[s]) - begins[i] :].any()
+    check_moved(case, before, dev.canonical(), [0, 2, 3], case.lengths,
+                whole_sequence(rd, begins, case.lengths, [0, 2, 3]), case.positions, dev.positions.cpu().numpy())
+    # Each row's selection is Token2Chunk's on the device's own scores, exactly; the scores
+    # are the host's up to fp32 summation order. A near tie may pick other anchors (and
+    # with them other chunks) than the host: the bytes are compared where none did.
+    n = W - U
+    for i, k in enumerate(kw["budgets"]):
+        for l in range(case.num_layers):
+            for h in range(2):  # make_case's two KV heads
+                np.testing.assert_array_equal(rd.keep_masks[i, l, h, :n],
+                                              token2chunk_keep(rd.scores[i, l, h, :n], k, 6, 8))
+    np.testing.assert_allclose(rd.scores[..., :n], rh.scores[..., :n], rtol=1e-4, atol=1e-6)
+    if np.array_equal(rd.keep_masks, rh.keep_masks):
+        np.testing.assert_array_equal(dev.canonical(), host.canonical())
+    with pytest.raises(kvpolicy.Error) as e:  # a window off a block boundary, found on the device
+        Twin(case, "cuda", dtype).compress(policy, window_begins=torch.tensor([40], device="cuda"), seqs=[0],
+                                           budgets=20)
+    assert e.value.field == "batch[0].window_begin"
 
 
 def test_device_validation_errors_raise_on_check_and_write_nothing():

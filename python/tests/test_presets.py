@@ -6,7 +6,8 @@ import pytest
 
 import kvpolicy
 
-ALL = [kvpolicy.Zipage, kvpolicy.RKV, kvpolicy.GKV, kvpolicy.SnapKV, kvpolicy.H2O, kvpolicy.StreamingLLM]
+ALL = [kvpolicy.Zipage, kvpolicy.RKV, kvpolicy.GKV, kvpolicy.SnapKV, kvpolicy.H2O, kvpolicy.StreamingLLM,
+       kvpolicy.HardKV, kvpolicy.HardKVRKV, kvpolicy.Kara]
 
 
 def test_defaults_are_the_published_parameters():
@@ -21,6 +22,15 @@ def test_defaults_are_the_published_parameters():
     assert (s.window, s.group, s.reduce, s.kernel) == (32, "mean", "sum", 7)
     assert kvpolicy.H2O().reduce == "sum"
     assert (kvpolicy.StreamingLLM().sinks, kvpolicy.StreamingLLM().window) == (4, 16)
+    k = kvpolicy.Kara()
+    assert (k.window, k.buffer, k.group, k.gamma, k.alpha, kvpolicy.Kara.kara_budget) == (768, 32, "sum", 8, 16, 225)
+
+
+def test_every_preset_by_name():
+    assert list(kvpolicy.PRESETS) == ["zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm", "hard_kv",
+                                      "hard_kv_rkv", "kara"]
+    for name, cls in kvpolicy.PRESETS.items():
+        assert cls.name == name and kvpolicy.preset(name) == cls()
 
 
 def test_keywords_override_fields():

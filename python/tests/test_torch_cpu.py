@@ -71,6 +71,31 @@ def test_the_op_equals_compress_and_mutates_in_place():
         assert torch.equal(a, b)
 
 
+def test_the_op_takes_window_begins():
+    """Kara through the op: window_begins reach the items' fifth column; masks cover the window."""
+    case = make_case(lengths=(45, 0, 37), window=24, block_size=4, seed=23)
+
+    def run(through_op):
+        args = {name: torch.from_numpy(x.copy()) for name, x in case.tensors("nano_vllm").items()}
+        kw = dict(block_table=torch.from_numpy(case.block_table), lengths=torch.from_numpy(case.lengths))
+        q, policy = torch.from_numpy(case.queries), kvpolicy.Kara(window=24, buffer=4, gamma=4, alpha=4)
+        items = dict(seqs=[0, 2], budgets=[12, 9], window_begins=torch.tensor([20, 12]), queries=q, return_masks=True)
+        if through_op:
+            return ops.compress(policy, "nano_vllm", **args, **kw, max_tokens=48, **items), args
+        cache = kvpolicy.PagedCache("nano_vllm", **args, **kw)
+        return kvpolicy.compress(policy, cache, max_tokens=48, **items), args
+
+    (r, args), (eager, eager_args) = run(True), run(False)
+    assert r.new_lengths.tolist() == eager.new_lengths.tolist() == [20 + 16 + 1, 12 + 13 + 1]
+    assert torch.equal(r.keep_masks, eager.keep_masks) and not r.keep_masks[0, :, :, 45 - 20 :].any()
+    assert torch.equal(args["kv"], eager_args["kv"])
+    with pytest.raises(kvpolicy.Error) as e:
+        ops.compress(kvpolicy.SnapKV(window=8), "nano_vllm", **args, block_table=torch.from_numpy(case.block_table),
+                     lengths=torch.from_numpy(case.lengths), seqs=[0], budgets=20, window_begins=4,
+                     queries=torch.from_numpy(case.queries))
+    assert e.value.field == "batch[0].window_begin"
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_traces_the_op(backend):
     case, args = torch_case()

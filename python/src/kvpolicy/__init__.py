@@ -11,18 +11,19 @@ caller's stream. ``kvpolicy.torch_ops`` registers the call as a PyTorch custom o
 """
 
 from . import errors  # first: the compiled core raises kvpolicy.errors.Error
-from ._core import GKV, H2O, LAYOUTS, RKV, HardKV, HardKVRKV, PagedCache, SnapKV, StreamingLLM, Zipage, has_cuda
+from ._core import (GKV, H2O, LAYOUTS, RKV, HardKV, HardKVRKV, Kara, PagedCache, SnapKV, StreamingLLM, Zipage,
+                    has_cuda)
 from ._compress import CompressResult, compress, workspace_bytes
 from .errors import Error
 
 __version__ = "0.1.0"
 
-PRESETS = {cls.name: cls for cls in (Zipage, RKV, GKV, SnapKV, H2O, StreamingLLM, HardKV, HardKVRKV)}
+PRESETS = {cls.name: cls for cls in (Zipage, RKV, GKV, SnapKV, H2O, StreamingLLM, HardKV, HardKVRKV, Kara)}
 
 
 def preset(name: str, **overrides):
     """The preset called ``name`` ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm",
-    "hard_kv", "hard_kv_rkv"),
+    "hard_kv", "hard_kv_rkv", "kara"),
     its published parameters overridden by keyword: ``preset("zipage", window=8)``."""
     try:
         cls = PRESETS[name]
@@ -38,6 +39,7 @@ __all__ = [
     "H2O",
     "HardKV",
     "HardKVRKV",
+    "Kara",
     "LAYOUTS",
     "PRESETS",
     "PagedCache",

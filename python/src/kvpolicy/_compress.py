@@ -12,9 +12,9 @@ from ._frameworks import DeviceAllocator, host_result, is_device_array
 from ._streams import stream_handle
 from .errors import Error
 
-# The four columns of a batch item, in kvp::batch_item's memory order (csrc/items.hpp
-# asserts it): one int32 row per item. _device_items keeps the same order.
-# kvp::batch_item, column for field; window_begin stays 0: no window-only preset here yet.
+# The five columns of a batch item, in kvp::batch_item's memory order (csrc/items.hpp
+# asserts it): one int32 row per item. _device_items keeps the same order. window_begin
+# is compress's window_begins: 0 unless the preset compresses a window (Kara).
 _ITEM_COLUMNS = ("seq", "query_slot", "budget", "history_tokens", "window_begin")
 
 
@@ -32,6 +32,11 @@ class CompressResult:
                             (only with ``return_masks=True``; width ``max_tokens``)
     scores[i, l, h, t]      final scores after protect (only with ``return_scores=True``)
     status                  the device path's 8 status words (None on the host)
+
+    A window-only preset (Kara) returns masks and scores over the item's window only:
+    entry t is token ``window_begins[i] + t`` of the sequence, for t < T - window_begins[i],
+    0 after (the width stays the same); new_lengths and kept_counts count from the
+    sequence's start, the tokens before the window included.
 
     On the device these are device arrays written asynchronously on the call's stream;
     read them after it (``check()`` waits for it and raises what the status holds).
@@ -82,7 +87,7 @@ def _column(name: str, value, n: Optional[int]):
     return a.astype(np.int64)
 
 
-def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
+def _host_items(seqs, budgets, history_tokens, query_slots, window_begins=0) -> np.ndarray:
     seq = _column("seqs", seqs, None)
     if seq.ndim == 0:
         seq = seq.reshape(1)
@@ -92,7 +97,7 @@ def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
         "query_slot": seq if query_slots is None else _column("query_slots", query_slots, n),
         "budget": _column("budgets", budgets, n),
         "history_tokens": _column("history_tokens", history_tokens, n),
-        "window_begin": np.zeros(n, dtype=np.int64),
+        "window_begin": _column("window_begins", window_begins, n),
     }
     items = np.empty((n, len(_ITEM_COLUMNS)), dtype=np.int32)
     for j, name in enumerate(_ITEM_COLUMNS):
@@ -100,7 +105,7 @@ def _host_items(seqs, budgets, history_tokens, query_slots) -> np.ndarray:
     return items
 
 
-def _device_items(seqs, budgets, history_tokens, query_slots, device: int, stream: int):
+def _device_items(seqs, budgets, history_tokens, query_slots, device: int, stream: int, window_begins=0):
     """Items built on the device by the framework of the device arrays among them, on
     the call's stream (no host round trip: a captured graph reads them at each replay).
 
@@ -109,7 +114,7 @@ def _device_items(seqs, budgets, history_tokens, query_slots, device: int, strea
     vectors (lists, NumPy) are copied to the device, which a CUDA graph capture cannot
     do from pageable memory: while the stream is capturing they raise kvpolicy.Error."""
     named = {"seqs": seqs, "budgets": budgets, "history_tokens": history_tokens,
-             "query_slots": seqs if query_slots is None else query_slots, "window_begins": 0}
+             "query_slots": seqs if query_slots is None else query_slots, "window_begins": window_begins}
     kinds = {type(x).__module__.split(".")[0] for x in named.values() if is_device_array(x)}
     if kinds not in ({"torch"}, {"cupy"}):
         raise Error(
@@ -159,11 +164,13 @@ def _device_items(seqs, budgets, history_tokens, query_slots, device: int, strea
         return xp.stack(rows, 1)  # a new, contiguous [n, 5]
 
 
-def _items(seqs, budgets, history_tokens, query_slots, cache, stream):
-    if cache.device is not None and any(is_device_array(x) for x in (seqs, budgets, history_tokens, query_slots)):
+def _items(seqs, budgets, history_tokens, query_slots, cache, stream, window_begins=0):
+    if cache.device is not None and any(
+        is_device_array(x) for x in (seqs, budgets, history_tokens, query_slots, window_begins)
+    ):
         return _device_items(seqs, budgets, history_tokens, query_slots, cache.device,
-                             stream_handle(stream, cache.framework, cache.device))
-    return _host_items(seqs, budgets, history_tokens, query_slots)
+                             stream_handle(stream, cache.framework, cache.device), window_begins)
+    return _host_items(seqs, budgets, history_tokens, query_slots, window_begins)
 
 
 def compress(
@@ -174,6 +181,7 @@ def compress(
     budgets,
     history_tokens=0,
     query_slots=None,
+    window_begins=0,
     queries=None,
     scores=None,
     layer_begin: int = 0,
@@ -193,12 +201,22 @@ def compress(
     budgets         tokens each (layer, KV head) keeps: int or [n]
     history_tokens  leading tokens whose F holds an earlier score (0: never compressed)
     query_slots     each item's slot of ``queries`` (default: its seq)
+    window_begins   a window-only preset (Kara): each item's window starts at this token,
+                    a multiple of the block size: int or [n] (default 0). The pipeline
+                    runs over [window_begins[i], T): budgets and history_tokens count
+                    within the window, the slot holds the window's own |W| queries
+                    (positions window_begins[i] to window_begins[i] + |W| - 1, oldest
+                    first), nothing before the window is read or written. Any other
+                    preset needs 0 (kvpolicy.Error, field ``batch[i].window_begin``).
     queries         the observation queries [L, slots, window, h_q, d] (attention presets)
     scores          F, float32 [L, num_blocks, block_size, h_kv] (Zipage, G-KV, H2O)
     layer_begin, layer_count   the layers to compress (0: all from layer_begin on)
     max_tokens      width of the per-token results; on the device an upper bound of the
                     batch's lengths (default ``cache.max_tokens``: the table's room)
-    return_masks, return_scores   also return keep masks / final scores
+    return_masks, return_scores   also return keep masks / final scores; a window-only
+                    preset's cover the window: entry t is token window_begins[i] + t
+                    (shape [n, L, h_kv, max_tokens] as for every preset, 0 past the
+                    window's T - window_begins[i] entries)
     stream          device: the CUDA stream (default: the framework's current stream)
     workspace       device: a contiguous device array of at least ``workspace_bytes(...)``
                     bytes (default: allocated by the cache's framework)
@@ -214,7 +232,7 @@ def compress(
     Raises kvpolicy.Error (``.field`` names the argument) before anything is written.
     The cache's lengths and block table are the engine's to update afterwards.
     """
-    items = _items(seqs, budgets, history_tokens, query_slots, cache, stream)
+    items = _items(seqs, budgets, history_tokens, query_slots, cache, stream, window_begins)
     return run(
         policy,
         cache,

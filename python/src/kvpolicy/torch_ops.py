@@ -163,6 +163,7 @@ def compress(
     budgets,
     history_tokens=0,
     query_slots=None,
+    window_begins=0,
     queries: Optional[Tensor] = None,
     scores: Optional[Tensor] = None,
     positions: Optional[Tensor] = None,
@@ -180,6 +181,8 @@ def compress(
     torch.compile it must be the spec, made outside the compiled function.
     Items: ints, tensors, or lists; while a CUDA graph is captured with ``seqs`` on
     the device, the others must be ints or device tensors (a list would need a copy).
+    ``window_begins`` (default 0) is a window-only preset's (Kara's) first token of each
+    item's window, as in ``kvpolicy.compress``; its keep masks then cover the window.
     """
     if isinstance(policy, str):
         spec = policy  # checked when the op builds it (no host work while tracing)
@@ -218,7 +221,7 @@ def compress(
 
     items = torch.stack(
         [col(seq, "seqs"), col(seq if query_slots is None else query_slots, "query_slots"), col(budgets, "budgets"),
-         col(history_tokens, "history_tokens"), col(0, "window_begins")],
+         col(history_tokens, "history_tokens"), col(window_begins, "window_begins")],
         dim=1,
     ).contiguous()
     _, block, _ = _sizes(layout, tensors)
