@@ -1,8 +1,12 @@
 // The CUDA executor inside a CUDA graph, and malformed device data: caught on the
 // device, reported as the host's kvp::error, with nothing written.
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <span>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -333,6 +337,312 @@ TEST_CASE("shared prefixes compress into targets on the device; bad targets are 
   SUBCASE("the prefix's owner in the batch, writing it") {
     refused({{0, 0, 192, 0}, {1, 1, 192, 0}}, {0, 0, 1}, {free[0]}, "cache.table[seq 0][0]");
   }
+}
+
+}  // namespace
+}  // namespace kvp_gpu
+
+namespace kvp_gpu {
+namespace {
+
+// Kara (presets::kara: bidirectional window scores, Token2Chunk, window-only
+// compaction) on the device. Three sequences, each with a window of 96 tokens at its
+// own window_begin and its own tail after it; bf16, head_dim 64 and GQA 4, so the
+// scores take the tensor-core kernel. The data (gpu_case's seed 1) was checked on the
+// host: every keep mask of both sets of windows below stays the same when each score
+// is moved by up to 3e-5 of itself, so the device's rounding cannot flip a mask.
+case_config kara_case() {
+  case_config cfg;
+  cfg.layers = 2;
+  cfg.block_size = 16;
+  cfg.kv_heads = 2;
+  cfg.q_heads = 8;  // GQA 4
+  cfg.head_dim = 64;
+  cfg.type = kvp::dtype::bf16;
+  cfg.window = 96;  // each slot holds the window's 96 queries
+  cfg.lengths = {3 * 16 + 96 + 5, 96 + 16, 2 * 16 + 96 + 1};
+  return cfg;
+}
+constexpr std::int32_t kara_max_tokens = 3 * 16 + 96 + 5;  // the longest sequence: 149
+
+kvp::presets::kara kara_pipeline() {
+  kvp::presets::kara p;
+  p.scorer = {.window = 96, .buffer = 8};  // W \ U: the window's first 88 tokens
+  p.select = {.gamma = 5, .alpha = 6};
+  return p;
+}
+
+// Windows at 48 (tail 5), 0 (tail 16) and 32 (tail 1).
+std::vector<kvp::batch_item> kara_items() {
+  return {{.seq = 0, .query_slot = 2, .budget = 30, .window_begin = 48},
+          {.seq = 1, .query_slot = 0, .budget = 30, .window_begin = 0},
+          {.seq = 2, .query_slot = 1, .budget = 40, .window_begin = 32}};
+}
+
+// Kara's new length, counted from the sequence's start: the tokens before the window,
+// the budget of W \ U, then the buffer (8) and the tail.
+std::int32_t kara_length(const gpu_case& c, const kvp::batch_item& it) {
+  return it.window_begin + it.budget + (c.lengths[it.seq] - it.window_begin - 88);
+}
+
+// The optional results device_outputs leaves out: kept counts and new block tables.
+struct kara_extras {
+  thrust::device_vector<std::int32_t> kept, tables;
+  kara_extras(device_outputs& out, std::size_t items, std::int32_t rows_per_item, std::int32_t max_blocks)
+      : kept(items * rows_per_item, -1), tables(items * max_blocks, -1) {
+    out.result.kept_counts = thrust::raw_pointer_cast(kept.data());
+    out.result.new_tables = thrust::raw_pointer_cast(tables.data());
+  }
+};
+
+// Everything a compression wrote, in host memory.
+struct kara_outcome {
+  std::vector<std::int32_t> status, new_lengths, released_counts, released_blocks, kept, tables;
+  std::vector<std::uint8_t> keep;
+  std::vector<float> scores, f;
+  std::vector<std::byte> kv;
+};
+
+kara_outcome outcome_of(const device_outputs& out, const kara_extras& x, const device_side& dev) {
+  return {to_host(out.status), to_host(out.new_lengths), to_host(out.released_counts), to_host(out.released_blocks),
+          to_host(x.kept),     to_host(x.tables),        to_host(out.keep),            to_host(out.final_scores),
+          to_host(dev.f),      to_host(dev.kv)};
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Captured once, the graph compresses a fresh copy of the cache to the direct run's
+// bytes and results; the items are read from device memory at each replay, so new
+// windows written there before a replay are compressed as the host executor does.
+TEST_CASE("kara is captured in a CUDA graph, replays to the direct run's bytes, and replays new windows") {
+  const gpu_case c(kara_case());
+  const kvp::presets::kara p = kara_pipeline();
+  const std::vector<kvp::batch_item> items = kara_items();
+  const std::int32_t rows = c.cfg.layers * c.cfg.kv_heads, max_blocks = c.max_blocks;
+  REQUIRE(max_blocks == (kara_max_tokens + 15) / 16);  // the released-block and table pitch the executor uses
+
+  // Reference: a direct run on one copy.
+  device_side direct(c);
+  device_outputs direct_out(items, kara_max_tokens, rows, max_blocks);
+  const kara_extras direct_x(direct_out, items.size(), rows, max_blocks);
+  REQUIRE_EQ(cudaSuccess, direct_out.run(kvp::cuda_executor{}, p, direct));
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  const kara_outcome want = outcome_of(direct_out, direct_x, direct);
+  REQUIRE(want.status[0] == 0);
+  for (std::size_t i = 0; i < items.size(); ++i) CHECK(want.new_lengths[i] == kara_length(c, items[i]));
+  CHECK(want.kv != c.kv);
+
+  // Graph: size and allocate outside the capture, capture the call, replay on a fresh copy.
+  device_side graphed(c);
+  device_outputs out(items, kara_max_tokens, rows, max_blocks);
+  kara_extras x(out, items.size(), rows, max_blocks);
+  std::int32_t* pinned = nullptr;
+  const std::size_t mirrored = kvp::status_words + items.size();
+  REQUIRE_EQ(cudaSuccess, cudaMallocHost(&pinned, sizeof(std::int32_t) * mirrored));
+  cudaStream_t stream;
+  REQUIRE_EQ(cudaSuccess, cudaStreamCreate(&stream));
+  const kvp::cuda_executor ex{.stream = stream, .mirror = {.status = pinned, .new_lengths = pinned + kvp::status_words}};
+  std::size_t bytes = 0;
+  REQUIRE_EQ(cudaSuccess, ex.compress(nullptr, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
+  out.temp.resize(bytes);
+  thrust::fill(out.temp.begin(), out.temp.end(), std::byte{0xff});  // garbage, as a reused buffer holds
+  void* temp = thrust::raw_pointer_cast(out.temp.data());
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  cudaGraph_t graph;
+  REQUIRE_EQ(cudaSuccess, cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  REQUIRE_EQ(cudaSuccess, ex.compress(temp, bytes, p, graphed.cache, graphed.queries, graphed.scores, out.batch, out.result));
+  REQUIRE_EQ(cudaSuccess, cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  REQUIRE_EQ(cudaSuccess, cudaGraphInstantiate(&exec, graph, 0));
+  std::fill(pinned, pinned + mirrored, -5);
+  REQUIRE_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+  REQUIRE_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+  CHECK(pinned[0] == 0);
+  for (std::size_t i = 0; i < items.size(); ++i) CHECK(pinned[kvp::status_words + i] == want.new_lengths[i]);
+  const kara_outcome got = outcome_of(out, x, graphed);
+  CHECK(got.status == want.status);
+  CHECK(got.new_lengths == want.new_lengths);
+  CHECK(got.released_counts == want.released_counts);
+  CHECK(got.released_blocks == want.released_blocks);
+  CHECK(got.kept == want.kept);
+  CHECK(got.tables == want.tables);
+  CHECK(got.keep == want.keep);
+  CHECK(same_bits(got.scores, want.scores));
+  CHECK(got.kv == want.kv);
+  CHECK(got.f == want.f);
+
+  // New windows in the device items (the graph's pointer), the cache's original bytes
+  // back in the same buffers, the results filled with what no executor writes; replay.
+  std::vector<kvp::batch_item> moved = items;
+  moved[0].window_begin = 32;  // 117 tokens from 32: tail 21
+  moved[1].window_begin = 16;  // 96 from 16: no tail
+  moved[2].window_begin = 0;   // 129 from 0: tail 33
+  thrust::copy(moved.begin(), moved.end(), out.items.begin());
+  thrust::copy(c.kv.begin(), c.kv.end(), graphed.kv.begin());
+  thrust::copy(c.f.begin(), c.f.end(), graphed.f.begin());
+  thrust::fill(out.status.begin(), out.status.end(), -5);
+  for (auto* v : {&out.new_lengths, &out.released_counts, &out.released_blocks, &x.kept, &x.tables})
+    thrust::fill(v->begin(), v->end(), -1);
+  thrust::fill(out.keep.begin(), out.keep.end(), std::uint8_t{2});
+  thrust::fill(out.final_scores.begin(), out.final_scores.end(), std::numeric_limits<float>::quiet_NaN());
+  std::fill(pinned, pinned + mirrored, -5);
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  REQUIRE_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+  REQUIRE_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+  const kara_outcome again = outcome_of(out, x, graphed);
+  REQUIRE_MESSAGE(again.status[0] == 0, "device status ", again.status[0]);
+  CHECK(pinned[0] == 0);
+
+  // The host executor on another fresh copy, with the new windows.
+  host_side host(c);
+  const kvp::host_executor hx{.record_keep_masks = true, .record_scores = true};
+  const kvp::host_result h = hx.compress(p, host.cache, host.queries, host.scores, {std::span<const kvp::batch_item>(moved)});
+  for (std::size_t i = 0; i < moved.size(); ++i) {
+    CAPTURE(i);
+    const std::int32_t Tw = c.lengths[moved[i].seq] - moved[i].window_begin;  // masks and scores cover the window
+    CHECK(again.new_lengths[i] == h.new_lengths[i]);
+    CHECK(again.new_lengths[i] == kara_length(c, moved[i]));
+    CHECK(pinned[kvp::status_words + i] == h.new_lengths[i]);
+    REQUIRE(again.released_counts[i] == static_cast<std::int32_t>(h.released_blocks[i].size()));
+    const auto from = [&](const std::vector<std::int32_t>& v, std::size_t at, std::size_t n) {
+      return std::vector<std::int32_t>(v.begin() + static_cast<std::ptrdiff_t>(at),
+                                       v.begin() + static_cast<std::ptrdiff_t>(at + n));
+    };
+    CHECK(from(again.released_blocks, i * max_blocks, h.released_blocks[i].size()) == h.released_blocks[i]);
+    CHECK(from(again.kept, i * rows, static_cast<std::size_t>(rows)) == h.kept_counts[i]);
+    CHECK(from(again.tables, i * max_blocks, h.new_tables[i].size()) == h.new_tables[i]);
+    REQUIRE(h.keep_masks[i].size() == static_cast<std::size_t>(rows) * Tw);
+    REQUIRE(h.scores[i].size() == static_cast<std::size_t>(rows) * Tw);
+    long masks_differ = 0, scores_differ = 0;
+    for (std::int32_t row = 0; row < rows; ++row)
+      for (std::int32_t t = 0; t < Tw; ++t) {
+        const std::size_t dev_at = (i * rows + row) * std::size_t{kara_max_tokens} + t, host_at = std::size_t(row) * Tw + t;
+        masks_differ += again.keep[dev_at] != h.keep_masks[i][host_at];
+        const float a = h.scores[i][host_at], b = again.scores[dev_at];
+        const bool agree = std::isinf(a) || std::isinf(b)
+                               ? a == b
+                               : std::fabs(a - b) <= 1e-5f * std::max({1.0f, std::fabs(a), std::fabs(b)});
+        scores_differ += !agree;
+      }
+    CHECK_MESSAGE(masks_differ == 0, masks_differ, " keep-mask entries differ from the host's");
+    CHECK_MESSAGE(scores_differ == 0, scores_differ, " final scores differ from the host's beyond 1e-5");
+  }
+  CHECK(again.kv == host.kv);  // every K/V byte, before the windows too
+  CHECK(again.f == host.f);
+  CHECK(again.kv != want.kv);  // the new windows compressed other tokens
+
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(pinned);
+}
+
+// Runs `preset` over the Kara case with `items` and expects the device to refuse it:
+// status set, kvp::check throwing the kvp::error of `field` (its message holding
+// `what`), and no byte of the cache written.
+template <class P>
+void expect_window_refused(const P& preset, const std::vector<kvp::batch_item>& items, const char* field,
+                           const char* what) {
+  CAPTURE(field);
+  CAPTURE(what);
+  const gpu_case c(kara_case());
+  device_side dev(c);
+  device_outputs out(items, kara_max_tokens, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+  REQUIRE_EQ(cudaSuccess, out.run(kvp::cuda_executor{}, preset, dev));
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  const auto status = to_host(out.status);
+  REQUIRE(status[0] != 0);
+  try {
+    kvp::check(status.data());
+    FAIL("check() did not throw");
+  } catch (const kvp::error& e) {
+    CHECK(e.field() == field);
+    CHECK(std::string(e.what()).find(what) != std::string::npos);
+    MESSAGE(std::string(e.what()));
+  }
+  CHECK(to_host(dev.kv) == c.kv);
+  CHECK(to_host(dev.f) == c.f);
+}
+
+std::vector<kvp::batch_item> kara_items_with(std::size_t i, std::int32_t window_begin) {
+  auto items = kara_items();
+  items[i].window_begin = window_begin;
+  return items;
+}
+
+TEST_CASE("kara: a window the device refuses is reported with the field and nothing is written") {
+  const kvp::presets::kara p = kara_pipeline();
+  // Checked by window_rows_kernel, before validation.
+  expect_window_refused(p, kara_items_with(0, 40), "batch[0].window_begin", "is 40; a window starts on a block boundary");
+  expect_window_refused(p, kara_items_with(2, -16), "batch[2].window_begin", "is -16; a window starts on a block boundary");
+  expect_window_refused(p, kara_items_with(1, 112), "batch[1].window_begin", "is 112; seq 1 holds 112 tokens");
+  expect_window_refused(p, kara_items_with(0, 160), "batch[0].window_begin", "is 160; seq 0 holds 149 tokens");
+  // A valid window_begin whose window (149 - 64 = 85 tokens) cannot hold the scorer's
+  // 96: validation sees the window's length, not the sequence's.
+  expect_window_refused(p, kara_items_with(0, 64), "pipeline.scorer.window", "is 96; longer than seq 0 (batch[0]) of 85");
+}
+
+TEST_CASE("a window_begin with a layout that is not window-only is refused on the device") {
+  const kvp::presets::snapkv p;  // window 32, protect 32: budgets of 64 fit every sequence
+  std::vector<kvp::batch_item> items{{.seq = 0, .query_slot = 2, .budget = 64},
+                                     {.seq = 1, .query_slot = 0, .budget = 64},
+                                     {.seq = 2, .query_slot = 1, .budget = 64}};
+  {
+    // The batch as it is runs clean: the window is all that is wrong below.
+    const gpu_case c(kara_case());
+    device_side dev(c);
+    device_outputs out(items, kara_max_tokens, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+    REQUIRE_EQ(cudaSuccess, out.run(kvp::cuda_executor{}, p, dev));
+    REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+    CHECK(to_host(out.status)[0] == 0);
+  }
+  items[1].window_begin = 16;
+  expect_window_refused(p, items, "batch[1].window_begin", "only a window-only layout");
+}
+
+// The facade's host-side check: shared-prefix targets mean nothing to a window-only
+// layout (it never writes a block before the window), so compress() throws, both when
+// sizing the workspace and when running, before any launch: the status words keep
+// what they held (a launch clears them first) and no byte is written.
+TEST_CASE("kara: batch.targets with a window-only layout throw before any launch") {
+  const gpu_case c(kara_case());
+  const kvp::presets::kara p = kara_pipeline();
+  device_side dev(c);
+  const std::vector<kvp::batch_item> items = kara_items();
+  device_outputs out(items, kara_max_tokens, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
+  std::int32_t free_block = -1;
+  for (std::int32_t id = 0; id < c.num_blocks && free_block < 0; ++id)
+    if (std::find(c.table.begin(), c.table.end(), id) == c.table.end()) free_block = id;
+  REQUIRE(free_block >= 0);
+  const thrust::device_vector<std::int32_t> indptr = to_device(std::vector<std::int32_t>{0, 1, 1, 1}),
+                                            blocks = to_device(std::vector<std::int32_t>{free_block});
+  std::size_t bytes = 0;
+  REQUIRE_EQ(cudaSuccess,
+             kvp::cuda_executor{}.compress(nullptr, bytes, p, dev.cache, dev.queries, dev.scores, out.batch, out.result));
+  out.temp.resize(std::max<std::size_t>(bytes, 1));
+  thrust::fill(out.status.begin(), out.status.end(), -7);
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  kvp::device_batch with_targets = out.batch;
+  with_targets.targets = {thrust::raw_pointer_cast(indptr.data()), thrust::raw_pointer_cast(blocks.data())};
+  void* const temps[] = {nullptr, thrust::raw_pointer_cast(out.temp.data())};
+  for (void* temp : temps) {
+    CAPTURE(temp == nullptr);
+    std::size_t size = bytes;
+    try {
+      (void)kvp::cuda_executor{}.compress(temp, size, p, dev.cache, dev.queries, dev.scores, with_targets, out.result);
+      FAIL("compress() did not throw");
+    } catch (const kvp::error& e) {
+      CHECK(e.field() == "batch.targets");
+      CHECK(std::string(e.what()).find("window-only") != std::string::npos);
+      MESSAGE(std::string(e.what()));
+    }
+  }
+  REQUIRE_EQ(cudaSuccess, cudaDeviceSynchronize());
+  CHECK(to_host(out.status) == std::vector<std::int32_t>(kvp::status_words, -7));
+  CHECK(to_host(dev.kv) == c.kv);
+  CHECK(to_host(dev.f) == c.f);
 }
 
 }  // namespace
