@@ -7,6 +7,7 @@
 //   e2e_overlap<G>/zipage/A         the same with cuda_executor::overlap_stream: redundancy
 //                                   beside scoring, items in G groups over two streams, G = 1 to 4
 //   stage/zipage/A                  configuration A, zipage, per-stage times from the stage marks
+//   e2e|stage/zipage_fill/A         zipage's selection with layout::fill: only kept tokens past the new length move
 //   e2e|stage/zipage/A_dup          the same with one key in eight a near-copy of an earlier key
 //                                   of its block (the PyTorch reference's inputs); e2e/gkv/A_dup
 //   scale_seqs/zipage/<S>           S = 1, 4, 16, 64 sequences, T = 2304
@@ -532,6 +533,12 @@ struct bench_case {
     for (std::int64_t row = 0; row < s.rows(); ++row) {
       std::int32_t kept = 0;
       const std::uint8_t* m = h.data() + row * T;
+      if constexpr (kvp::fills_holes<typename P::layout_type>()) {
+        // layout::fill: the kept tokens at or past the kept count move, nothing else.
+        for (std::int32_t t = 0; t < seen; ++t) kept += m[t] != 0;
+        for (std::int32_t t = kept; t < seen; ++t) o.moved += m[t] != 0;
+        continue;
+      }
       for (std::int32_t t = 0; t < seen; ++t) {
         if (!m[t]) continue;
         if (kept != t) ++o.moved;  // layout::compact: the i-th kept token goes to position i
@@ -800,6 +807,10 @@ void register_all() {
 
   // Per stage, configuration A, zipage.
   add_row("stage/zipage/A", kvp::presets::zipage{}, a, row_kind::stage, 30);
+  // Zipage's selection with the fill layout (issue 31): the same keep masks, only the
+  // kept tokens past the new length move.
+  add_row("e2e/zipage_fill/A", kvp::with_layout(kvp::presets::zipage{}, kvp::layout::fill{}), a, row_kind::e2e, 30);
+  add_row("stage/zipage_fill/A", kvp::with_layout(kvp::presets::zipage{}, kvp::layout::fill{}), a, row_kind::stage, 30);
   // The same with one key in eight a near-copy of an earlier key of its block, as the
   // PyTorch reference's inputs: random keys never cross theta, these do, so lightning's
   // dropped neighbours and the selection they change are exercised.

@@ -27,6 +27,7 @@
 #include "kvpolicy/exec/result.hpp"
 #include "kvpolicy/exec/validate.hpp"
 #include "kvpolicy/layout/compact.hpp"
+#include "kvpolicy/layout/fill.hpp"
 #include "kvpolicy/layout/window_compact.hpp"
 #include "kvpolicy/pipeline/concepts.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"

@@ -207,6 +207,9 @@ struct cuda_executor {
             "are given, but the layout moves no token: a shared prefix would keep its shared blocks");
     require(batch.targets.empty() || batch.targets.blocks != nullptr, "batch.targets.blocks",
             "is a null pointer while batch.targets.indptr is set");
+    require(batch.targets.empty() || !fills_holes<typename P::layout_type>(), "batch.targets",
+            "are given, but the fill layout moves tokens within the sequence's own blocks; compress a shared prefix "
+            "with layout::compact");
     require(batch.targets.empty() || !window_only<typename P::layout_type>(), "batch.targets",
             "are given, but a window-only layout writes no block before the window: no shared prefix needs targets");
     if (overlap_stream) {

@@ -17,6 +17,7 @@
 #include "kvpolicy/core/score_view.hpp"
 #include "kvpolicy/exec/host/aggregate.hpp"
 #include "kvpolicy/exec/host/compact.hpp"
+#include "kvpolicy/exec/host/fill.hpp"
 #include "kvpolicy/exec/host/redundancy.hpp"
 #include "kvpolicy/exec/host/scores.hpp"
 #include "kvpolicy/exec/host/select.hpp"
@@ -181,7 +182,9 @@ struct host_executor {
           if (record_keep_masks) std::copy(keep.begin(), keep.end(), out.keep_masks[i].begin() + row * T);
 
           timed(stage::layout, [&] {
-            if constexpr (moves_tokens<L>()) {
+            if constexpr (fills_holes<L>()) {
+              new_length = std::max(new_length, host::fill_row(cache, with_f ? scores : score_view{}, l, it.seq, h, keep));
+            } else if constexpr (moves_tokens<L>()) {
               new_length = std::max(new_length, host::compact_row(p.layout, cache, with_f ? scores : score_view{},
                                                                   prefix_f, to, l, it.seq, h, keep));
             }

@@ -180,6 +180,11 @@ void validate_windows(const P&, const paged_kv_view& cache, const compression_ba
       require(it.window_begin < T, field, "is {}; seq {} holds {} tokens", it.window_begin, it.seq, T);
     }
   }
+  if constexpr (fills_holes<typename P::layout_type>()) {
+    require(batch.targets.empty(), "batch.targets",
+            "are given, but the fill layout moves tokens within the sequence's own blocks; compress a shared prefix "
+            "with layout::compact");
+  }
   if constexpr (windowed) {
     require(batch.targets.empty(), "batch.targets",
             "are given, but a window-only layout writes no block before the window: no shared prefix needs targets");

@@ -154,10 +154,13 @@ concept Selector = std::same_as<S, none> || BudgetSelector<S> || ScoreDependentS
 // Keep mask -> moved tokens. Given `const L l; int32_t i;`:
 //   L::moves_tokens        -> bool     whether kept tokens are moved
 //   l.destination(i)       -> int32_t  logical position of the i-th kept token
+// or, instead of destination, L::fills_holes (true): the kept tokens past the kept
+// count fill the evicted slots below it (layout::fill).
 template <class L>
-concept Layout = std::same_as<L, none> || (Policy<L> && requires(const L& l, std::int32_t i) {
-                   { L::moves_tokens } -> std::convertible_to<bool>;
-                   { l.destination(i) } -> std::same_as<std::int32_t>;
-                 });
+concept Layout = std::same_as<L, none> ||
+                 (Policy<L> && requires { { L::moves_tokens } -> std::convertible_to<bool>; } &&
+                  (requires(const L& l, std::int32_t i) {
+                    { l.destination(i) } -> std::same_as<std::int32_t>;
+                  } || requires { requires L::fills_holes; }));
 
 KVP_NAMESPACE_END

@@ -25,4 +25,10 @@ struct pipeline {
   kvp::protect protect{};
 };
 
+// The same stages with another layout: `with_layout(presets::zipage{}, layout::fill{})`.
+template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L, Layout L2>
+constexpr pipeline<S, A, R, Sel, L2> with_layout(const pipeline<S, A, R, Sel, L>& p, L2 layout) noexcept {
+  return {p.scorer, p.aggregate, p.redundancy, p.select, layout, p.protect};
+}
+
 KVP_NAMESPACE_END

@@ -8,6 +8,7 @@
 #include "kvpolicy/aggregate/then.hpp"
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/layout/compact.hpp"
+#include "kvpolicy/layout/fill.hpp"
 #include "kvpolicy/layout/window_compact.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"

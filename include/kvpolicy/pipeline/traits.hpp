@@ -63,6 +63,17 @@ KVP_HOST_DEVICE constexpr bool window_only() noexcept {
   }
 }
 
+// Whether a layout fills the evicted slots below the kept count (layout::fill)
+// instead of moving the i-th kept token to destination(i).
+template <Layout L>
+KVP_HOST_DEVICE constexpr bool fills_holes() noexcept {
+  if constexpr (requires { requires L::fills_holes; }) {
+    return true;
+  } else {
+    return false;
+  }
+}
+
 // A key scorer's score of the key k at position t of T in the row of head h, by the
 // hook's form (with or without the head index).
 template <KeyScorer S>

@@ -65,6 +65,7 @@ struct workspace_layout {
   std::int64_t stats_per_row = 0;  // float2 per row
   typename compress_plan<P>::redundancy_stage::buffers redundancy;
   epilogue_stage::buffers epilogue;
+  typename compress_plan<P>::layout_stage::buffers layout;
   std::size_t total = 0;
   // Row hand-off flags: score -> epilogue, epilogue -> layout, and lightning -> score (a
   // count of the row's finished cache blocks).
@@ -175,6 +176,7 @@ class dispatch {
     w.own_keep = !keep_given;
     if (w.own_keep) w.keep = ws.take(cells);
     w.epilogue = epilogue_stage::reserve(c_, pl.epilogue, ws, pl.rows);
+    w.layout = layout_stage::reserve(c_, pl.layout, ws, pl.rows);
     if (pl.statistics) {
       w.stats_per_row = redundancy_stage::statistics_per_row(c_);
       w.stats = ws.take(static_cast<std::size_t>(pl.rows * w.stats_per_row) * sizeof(float2));
@@ -345,9 +347,10 @@ class dispatch {
                                            static_cast<const std::int32_t*>(score_ready), select_ready, ws});
     mark(3);
     if constexpr (!std::same_as<layout_stage, no_stage>) {
-      layout_stage::launch(c_, pl.layout,
+      layout_stage::launch(c_, pl.layout, w.layout,
                            layout_launch{on.tail, chained, rs, keep, static_cast<const std::int32_t*>(select_ready),
-                                         targets, f_stash});
+                                         targets, f_stash},
+                           ws, row0);
     }
   }
 

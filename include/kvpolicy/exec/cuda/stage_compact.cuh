@@ -59,7 +59,8 @@ struct compact_stage {
     return {};
   }
   template <class P>
-  static void launch(const stage_context<P>& c, const plan_type& pl, const layout_launch& a) {
+  static void launch(const stage_context<P>& c, const plan_type& pl, const buffers&, const layout_launch& a,
+                     std::byte*, std::int64_t) {
     // F moves with its tokens only when the pipeline keeps scores in it.
     const score_view moved_f = uses_score_cache<typename P::aggregate_type>() ? c.f : score_view{};
     const auto kernel =

@@ -16,6 +16,7 @@
 #include "kvpolicy/exec/cuda/stage_block_redundancy.cuh"
 #include "kvpolicy/exec/cuda/stage_compact.cuh"
 #include "kvpolicy/exec/cuda/stage_context.cuh"
+#include "kvpolicy/exec/cuda/stage_fill.cuh"
 #include "kvpolicy/exec/cuda/stage_full_redundancy.cuh"
 #include "kvpolicy/exec/cuda/stage_key_score.cuh"
 #include "kvpolicy/pipeline/concepts.hpp"
@@ -113,10 +114,15 @@ struct layout_stage_of<none> {
   using type = no_stage;
 };
 template <class L>
-  requires(Layout<L> && !std::same_as<L, none>)
+  requires(Layout<L> && !std::same_as<L, none> && !fills_holes<L>())
 struct layout_stage_of<L> {
   // In place, front to back: every layout whose destination(i) never passes its source.
   using type = std::conditional_t<L::moves_tokens, compact_stage, no_stage>;
+};
+template <class L>
+  requires(Layout<L> && !std::same_as<L, none> && fills_holes<L>())
+struct layout_stage_of<L> {
+  using type = fill_stage;
 };
 
 template <class S>
