@@ -23,14 +23,6 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-// 2^x on the special function unit, results below 2^-126 flushed to zero: such a
-// softmax term differs from the host's subnormal by under 1.2e-38, and exp2f spends
-// four more instructions per call on that range.
-__device__ inline float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Softmax statistics are (max, sum of 2^(z - max)) in log2 units; a set of logits
 // whose max is -inf is empty. rescaled_sum: a set's sum relative to a max m >= its own.
