@@ -137,11 +137,11 @@ __global__ void __launch_bounds__(row_threads) bidirectional_score_kernel(S s, p
 // ---------------------------------------------------------------------------
 // Tensor cores, f16/bf16, group sum or mean (linear in the probabilities, so every
 // (position, head) query row is alike): the n keys of W \ U in shared memory
-// (padded rows, ldmatrix), each warp 16 query rows at a time with their A fragments
+// (padded rows, ldmatrix), each warp 16 or 32 query rows at a time with their A fragments
 // in registers, loaded straight from the query view. Pass 1 keeps each row's online
 // max and sum over the key tiles of 64, pass 2 turns the logits into probabilities
-// and adds each column over the warp's 16 rows (a butterfly over the 8 lanes that
-// share a column) into the warp's own column sums. Rows of the last tile past n are
+// and adds each column over the warp's rows (a butterfly over the 8 lanes that share
+// a column) into the warp's own column sums. Rows of the last tile past n are
 // zero in shared memory and masked to -inf.
 
 inline constexpr int bidirectional_key_tile = 64;
@@ -180,15 +180,21 @@ __global__ void __launch_bounds__(row_threads) bidirectional_score_mma_kernel(S 
   __syncthreads();
 
   constexpr int max_ksteps = HeadDim > 0 ? HeadDim / 16 : 16;  // runtime head dims up to 256
+  // 16-row tiles of queries a warp takes at once: each B fragment read from shared
+  // memory then feeds MT MMAs, and each column's butterfly sums 16 MT rows. Two for
+  // the constant head dims (their A fragments and accumulators fit the registers).
+  constexpr int MT = HeadDim > 0 ? 2 : 1;
   const std::int32_t ksteps = d / 16;
   const float log2e_scale = 1.4426950408889634f / sqrtf(static_cast<float>(d));
   const float ninf = -__builtin_huge_valf();
   const std::uint16_t* b_lane = ks + std::size_t(lane % 8 + (lane / 16) * 8) * pitch + ((lane / 8) % 2) * 8;
 
-  // acc = Q K^T for the 16 rows (fragments af) and key tile [t0, t0 + 64).
-  const auto tile = [&](float (&acc)[8][4], const std::uint32_t (&af)[max_ksteps][4], std::int32_t t0) {
+  // acc[mt] = Q K^T for the warp's row tiles (fragments af) and key tile [t0, t0 + 64).
+  const auto tile = [&](float (&acc)[MT][8][4], const std::uint32_t (&af)[MT][max_ksteps][4], std::int32_t t0) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
 #pragma unroll
     for (int k = 0; k < max_ksteps; ++k) {
       if (HeadDim == 0 && k >= ksteps) break;
@@ -197,67 +203,84 @@ __global__ void __launch_bounds__(row_threads) bidirectional_score_mma_kernel(S 
         if (t0 + np * 16 >= rows) break;
         std::uint32_t bf[4];
         ldmatrix_x4(bf, b_lane + std::size_t(t0 + np * 16) * pitch + k * 16);
-        mma_16816<Elem>(acc[np * 2], af[k], bf[0], bf[1]);
-        mma_16816<Elem>(acc[np * 2 + 1], af[k], bf[2], bf[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<Elem>(acc[mt][np * 2], af[mt][k], bf[0], bf[1]);
+          mma_16816<Elem>(acc[mt][np * 2 + 1], af[mt][k], bf[2], bf[3]);
+        }
       }
     }
   };
 
-  for (std::int32_t r0 = warp * 16; r0 < QR; r0 += bidirectional_warps * 16) {
-    // A fragments of rows r0 + lane / 4 (h 0) and r0 + lane / 4 + 8 (h 1): words at
+  for (std::int32_t r0 = warp * 16 * MT; r0 < QR; r0 += bidirectional_warps * 16 * MT) {
+    // A fragments of rows r0 + 16 mt + lane / 4 (h 0) and 8 rows further (h 1): words at
     // elements k * 16 + 2 quad (+ 8), as ldmatrix would give them.
-    std::uint32_t af[max_ksteps][4];
-    const std::int32_t ra = r0 + lane / 4, rb = ra + 8;
-    const bool va = ra < QR, vb = rb < QR;
-    const auto* qa = reinterpret_cast<const std::uint32_t*>(window_query(q, rc.layer, it.query_slot, entry0, rc.head, G, va ? ra : 0));
-    const auto* qb = reinterpret_cast<const std::uint32_t*>(window_query(q, rc.layer, it.query_slot, entry0, rc.head, G, vb ? rb : 0));
+    std::uint32_t af[MT][max_ksteps][4];
+    bool real_row[MT][2];
 #pragma unroll
-    for (int k = 0; k < max_ksteps; ++k) {
-      if (HeadDim == 0 && k >= ksteps) break;
-      af[k][0] = va ? qa[k * 8 + quad] : 0u;
-      af[k][1] = vb ? qb[k * 8 + quad] : 0u;
-      af[k][2] = va ? qa[k * 8 + 4 + quad] : 0u;
-      af[k][3] = vb ? qb[k * 8 + 4 + quad] : 0u;
+    for (int mt = 0; mt < MT; ++mt) {
+      const std::int32_t ra = r0 + mt * 16 + lane / 4, rb = ra + 8;
+      real_row[mt][0] = ra < QR;
+      real_row[mt][1] = rb < QR;
+      const auto* qa = reinterpret_cast<const std::uint32_t*>(
+          window_query(q, rc.layer, it.query_slot, entry0, rc.head, G, real_row[mt][0] ? ra : 0));
+      const auto* qb = reinterpret_cast<const std::uint32_t*>(
+          window_query(q, rc.layer, it.query_slot, entry0, rc.head, G, real_row[mt][1] ? rb : 0));
+#pragma unroll
+      for (int k = 0; k < max_ksteps; ++k) {
+        if (HeadDim == 0 && k >= ksteps) break;
+        af[mt][k][0] = real_row[mt][0] ? qa[k * 8 + quad] : 0u;
+        af[mt][k][1] = real_row[mt][1] ? qb[k * 8 + quad] : 0u;
+        af[mt][k][2] = real_row[mt][0] ? qa[k * 8 + 4 + quad] : 0u;
+        af[mt][k][3] = real_row[mt][1] ? qb[k * 8 + 4 + quad] : 0u;
+      }
     }
     // Pass 1: each row's max and sum, in log2 units (the lane's share of the sum; the
     // max is the quad's).
-    float m[2] = {ninf, ninf}, l[2] = {0.0f, 0.0f};
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = ninf, l[mt][0] = l[mt][1] = 0.0f;
     for (std::int32_t t0 = 0; t0 < n; t0 += bidirectional_key_tile) {
-      float acc[8][4];
+      float acc[MT][8][4];
       tile(acc, af, t0);
       const bool edge = t0 + bidirectional_key_tile > n;
 #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = ninf;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& z = acc[mt][nt][h * 2 + e];
+              z = !edge || t0 + nt * 8 + quad * 2 + e < n ? z * log2e_scale : ninf;
+              mx = fmaxf(mx, z);
+            }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[mt][h], mx);  // finite: every tile has a real column
+          float sum = l[mt][h] * exp2_ftz(m[mt][h] - m_new);
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            sum += exp2_ftz(acc[mt][nt][h * 2] - m_new) + exp2_ftz(acc[mt][nt][h * 2 + 1] - m_new);
+          m[mt][h] = m_new;
+          l[mt][h] = sum;
+        }
+    }
+    float inv[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = ninf;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& z = acc[nt][h * 2 + e];
-            z = !edge || t0 + nt * 8 + quad * 2 + e < n ? z * log2e_scale : ninf;
-            mx = fmaxf(mx, z);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[h], mx);  // finite: every tile has a real column
-        float sum = l[h] * exp2_ftz(m[h] - m_new);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) sum += exp2_ftz(acc[nt][h * 2] - m_new) + exp2_ftz(acc[nt][h * 2 + 1] - m_new);
-        m[h] = m_new;
-        l[h] = sum;
+        float sum = l[mt][h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[mt][h] = real_row[mt][h] ? 1.0f / sum : 0.0f;  // padding rows add nothing
       }
-    }
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = l[h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      inv[h] = (h == 0 ? va : vb) ? 1.0f / sum : 0.0f;  // padding rows add nothing
-    }
-    // Pass 2: probabilities, summed over the warp's 16 rows per column.
+    // Pass 2: probabilities, summed over the warp's 16 MT rows per column.
     for (std::int32_t t0 = 0; t0 < n; t0 += bidirectional_key_tile) {
-      float acc[8][4];
+      float acc[MT][8][4];
       tile(acc, af, t0);
       const bool edge = t0 + bidirectional_key_tile > n;
 #pragma unroll
@@ -265,9 +288,12 @@ __global__ void __launch_bounds__(row_threads) bidirectional_score_mma_kernel(S 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const bool real = !edge || t0 + nt * 8 + quad * 2 + e < n;
-          float v = real ? exp2_ftz(acc[nt][e] * log2e_scale - m[0]) * inv[0] +
-                               exp2_ftz(acc[nt][2 + e] * log2e_scale - m[1]) * inv[1]
-                         : 0.0f;
+          float v = 0.0f;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            v += exp2_ftz(fmaf(acc[mt][nt][e], log2e_scale, -m[mt][0])) * inv[mt][0] +
+                 exp2_ftz(fmaf(acc[mt][nt][2 + e], log2e_scale, -m[mt][1])) * inv[mt][1];
+          v = real ? v : 0.0f;
           v += __shfl_xor_sync(0xffffffffu, v, 4);
           v += __shfl_xor_sync(0xffffffffu, v, 8);
           v += __shfl_xor_sync(0xffffffffu, v, 16);
