@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The real-model fidelity harness (tools/fidelity, docs/fidelity.md): SmolLM2-135M-Instruct
 # in NumPy over a paged cache, every preset at budgets 128 / 256 / 512 compressed through
-# the kvpolicy Python package as it decodes, compared with the full cache.
+# the kvpolicy Python package as it decodes, compared with the full cache; then Kara's pass:
+# windows of 128 / 256 tokens compressed once each (trigger::periodic), beside SnapKV and
+# StreamingLLM at budget 768, a cache of about Kara's size.
 #
 #   scripts/fidelity.sh                   the measurement (about 30 minutes on 2 cores): writes
 #                                         docs/fidelity.md, docs/fidelity_*.png
+#   scripts/fidelity.sh --kara            Kara's pass alone (about 12 minutes), the page rewritten
+#                                         with the budgeted presets' last run (tools/fidelity/out)
 #   scripts/fidelity.sh --quick           a smoke test (a few minutes): the same pipeline on one
 #                                         short session; its page goes to tools/fidelity/out/quick/
 #   scripts/fidelity.sh --check-reference also builds llama-cpp-python (10+ minutes, once) and
@@ -18,13 +22,15 @@
 set -euo pipefail
 
 quick=0
+kara_only=0
 check_reference=0
 for arg in "$@"; do
   case $arg in
     --quick) quick=1 ;;
+    --kara) kara_only=1 ;;
     --check-reference) check_reference=1 ;;
     -h | --help)
-      sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)
@@ -75,14 +81,28 @@ fi
 # The model against its recorded llama.cpp logits, the paged cache and decode step.
 (cd "$here" && "$py" -m pytest -q tests)
 
+# Kara's pass: its windows, and two budgeted presets at a cache of about its size.
+kara=(--presets kara,snapkv,streaming_llm --budgets 768)
 if ((quick)); then
   out=$here/out/quick
   (cd "$here" && "$py" harness.py --quick --out "$root/$out")
+  # Scale 0.6: enough steps for a window of 128 to be compressed once.
+  (cd "$here" && "$py" harness.py --quick --scale 0.6 --presets kara --kara 128/16/0.5 --out "$root/$out/kara")
   mkdir -p "$out/docs"
-  (cd "$here" && "$py" report.py --results "$root/$out/results.json" --docs "$root/$out/docs")
+  (cd "$here" && "$py" report.py --results "$root/$out/results.json" --kara-results "$root/$out/kara/results.json" \
+    --docs "$root/$out/docs")
 else
   out=$here/out
-  (cd "$here" && "$py" harness.py --out "$root/$out")
-  (cd "$here" && "$py" report.py --results "$root/$out/results.json" --docs "$root/docs")
+  if ((kara_only)); then
+    [[ -f $out/results.json ]] || {
+      echo "fidelity.sh: --kara rewrites the page with $out/results.json, which a full run writes first" >&2
+      exit 1
+    }
+  else
+    (cd "$here" && "$py" harness.py --out "$root/$out")
+  fi
+  (cd "$here" && "$py" harness.py "${kara[@]}" --out "$root/$out/kara")
+  (cd "$here" && "$py" report.py --results "$root/$out/results.json" --kara-results "$root/$out/kara/results.json" \
+    --docs "$root/docs")
 fi
 echo "fidelity.sh: done in $(($(date +%s) - start)) s"

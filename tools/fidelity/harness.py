@@ -8,7 +8,14 @@ them all; only attention, through each sequence's own block table and length, di
 At each step where the reference picks an assistant token, each configuration's logits
 are compared with the reference's: top-1 agreement and KL(reference || configuration).
 
-Run: python harness.py [--quick] [--out DIR]   (scripts/fidelity.sh runs it, then report.py)
+Kara (`--presets kara`) compresses a window at a time instead of to a budget: each of its
+configurations (|W|, |U|, r) is compressed by kvp::trigger::periodic's rule, every
+KARA_PERIOD steps, the |W| tokens in whole blocks before the last block once the tokens
+since its last compression cover them, to ceil(r (|W| - |U|)) tokens of W \\ U plus the
+buffer. Its window's queries come from a per-sequence ring of the queries it decoded.
+
+Run: python harness.py [--quick] [--out DIR] [--presets ...]   (scripts/fidelity.sh runs it,
+then report.py)
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -34,6 +42,14 @@ BUDGETS = (128, 256, 512)
 # The default set: issue 35's six. A head-adaptive preset (Hard-KV) keeps a count per head,
 # which the harness's one-length-per-sequence attention does not read (compression.py refuses it).
 SEED_PRESETS = ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm")
+# Kara's protocol rows: (|W|, |U|, r), the window a multiple of the block size. Each window
+# keeps ceil(r (|W| - |U|)) tokens of W \ U and its buffer.
+KARA_SETTINGS = ((128, 16, 0.3), (128, 16, 0.5), (256, 32, 0.3), (256, 32, 0.5))
+# delta of trigger::periodic. At most b: a window becomes due when T - 1 crosses a block
+# boundary, and window_begin stays the earliest allowed one for the next b steps, so a check
+# every delta <= b steps compresses it before the next window would start a block later
+# (KvLLM's 128 <= 256 likewise); a longer period would leave whole blocks never compressed.
+KARA_PERIOD = BLOCK_SIZE
 KEEPMAP_LAYERS = (2, 15, 27)  # heads whose kept positions are recorded after each compression
 ANSWER_TOKENS = 32  # the most a configuration may say in answer to a probe
 
@@ -42,7 +58,15 @@ ANSWER_TOKENS = 32  # the most a configuration may say in answer to a probe
 class SeqConfig:
     name: str
     preset: str | None  # None: the reference, never compressed
-    budget: int | None
+    budget: int | None  # Kara: tokens kept of each window's W \ U
+    window: int | None = None  # Kara: |W|
+    buffer: int | None = None  # Kara: |U|
+    ratio: float | None = None  # Kara: r
+
+
+def kara_config(window: int, buffer: int, ratio: float) -> SeqConfig:
+    budget = math.ceil(round(ratio * (window - buffer), 6))
+    return SeqConfig(f"kara@{window}/{buffer}/{ratio:g}", "kara", budget, window, buffer, ratio)
 
 
 @dataclasses.dataclass
@@ -70,19 +94,53 @@ class Threshold:
         return (self.max_blocks - 1) * self.block_size
 
 
+@dataclasses.dataclass(frozen=True)
+class Periodic:
+    """kvp::trigger::periodic (engine/triggers.hpp, Kara C.4), max_items 0: at every
+    `period`-th step after the first |W|, a sequence whose window (the |W| tokens in whole
+    blocks before its last, possibly partial, block) holds only tokens appended since its
+    last compression (the prompt too, before the first); budget window_keep - buffer,
+    counted within the window. The tokens between a compression's new length and the next
+    block boundary are never in a window."""
+
+    period: int
+    block_size: int
+    window: int
+    buffer: int
+    window_keep: int
+
+    def window_begin_of(self, length: int) -> int:
+        return -self.window if length <= 0 else (length - 1) // self.block_size * self.block_size - self.window
+
+    def due(self, state: "SeqState", length: int, step: int) -> bool:
+        begin = self.window_begin_of(length)
+        tail = state.generated_since_compression if state.compressions > 0 else length  # uncompressed_tail()
+        return step > self.window and step > 0 and step % self.period == 0 and begin >= 0 and tail >= length - begin
+
+    @property
+    def budget(self) -> int:
+        return self.window_keep - self.buffer
+
+
 class Engine:
     """The paged cache of every configuration, the trigger, and the compression calls."""
 
-    def __init__(self, w: model.Weights, configs: list[SeqConfig], prompt_len: int, max_len: int):
+    def __init__(self, w: model.Weights, configs: list[SeqConfig], prompt_len: int, max_len: int,
+                 block_size: int = BLOCK_SIZE, kara_period: int | None = None):
         self.w = w
         self.configs = configs
-        b = BLOCK_SIZE
-        self.triggers: list[Threshold | None] = []
+        self.b = b = block_size
+        self.triggers: list[Threshold | Periodic | None] = []
         peak = []
         for c in configs:
             if c.preset is None:
                 self.triggers.append(None)
                 peak.append(-(-max_len // b) + 1)
+            elif c.preset == "kara":
+                if c.window % b:
+                    raise ValueError(f"{c.name}: the window {c.window} is not a multiple of the block size {b}")
+                self.triggers.append(Periodic(kara_period or KARA_PERIOD, b, c.window, c.buffer, c.budget + c.buffer))
+                peak.append(-(-max_len // b) + 1)  # no cap: each window leaves its kept tokens
             else:
                 if c.budget % b:
                     raise ValueError(f"budget {c.budget} is not a multiple of the block size {b}")
@@ -90,9 +148,14 @@ class Engine:
                 self.triggers.append(t)
                 # Before the first compression the prompt and up to a block more; after, N_max.
                 peak.append(max(-(-prompt_len // b) + 1, t.max_blocks) + 1)
-        self.cache = PagedCache(w.config, len(configs), sum(peak), b, max(peak), QUERY_WINDOW)
+        windows = {i: c.window for i, c in enumerate(configs) if c.preset == "kara"}
+        # A window's queries are at most |W| + b positions old when it is compressed.
+        history = max(windows.values(), default=0) + b
+        self.cache = PagedCache(w.config, len(configs), sum(peak), b, max(peak), QUERY_WINDOW, list(windows), history)
         self.states = [SeqState() for _ in configs]
-        self.step_count = 0
+        self.attended = np.zeros(len(configs), dtype=np.int64)  # tokens the last logits attended to
+        self.step_count = 0  # decode steps run, probes included
+        self.clock = 0  # the engine's step counter the periodic trigger reads (a probe goes on from the last turn's)
         self.compress_seconds = 0.0
         self.compress_calls = 0
         self.keepmaps: dict[int, list[dict]] = {i: [] for i, c in enumerate(configs) if c.preset}
@@ -101,28 +164,41 @@ class Engine:
         """The first user turn, once, copied into every sequence (none is compressed yet)."""
         logits, k, v, q = model.prefill_dense(self.w, np.asarray(tokens))
         self.cache.fill_prompt(k, v, q)
+        self.attended[:] = len(tokens)
         for s in self.states:
             s.generated_since_compression = len(tokens)
         return np.repeat(logits[-1:], len(self.configs), axis=0)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         logits = decode_step(self.w, self.cache, tokens)
+        self.attended[:] = self.cache.lengths
         self.step_count += 1
+        self.clock += 1
         for s in self.states:
             s.generated_since_compression += 1
         self._compress_due()
         return logits
 
     def _compress_due(self) -> None:
-        by_preset: dict[str, list[compression.Item]] = {}
+        # One call per preset, and per Kara (window, buffer): the policy of a call is one.
+        calls: dict[tuple, list[compression.Item]] = {}
         for i, (c, t) in enumerate(zip(self.configs, self.triggers)):
-            if t is not None and t.due(int(self.cache.lengths[i])):
-                by_preset.setdefault(c.preset, []).append(
-                    compression.Item(seq=i, budget=t.budget, history_tokens=self.states[i].history_tokens)
+            T, st = int(self.cache.lengths[i]), self.states[i]
+            if isinstance(t, Periodic):
+                if t.due(st, T, self.clock):
+                    begin = t.window_begin_of(T)
+                    calls.setdefault(("kara", c.window, c.buffer), []).append(compression.Item(
+                        seq=i, budget=t.budget, history_tokens=max(0, st.history_tokens - begin), window_begin=begin))
+            elif t is not None and t.due(T):
+                calls.setdefault((c.preset,), []).append(
+                    compression.Item(seq=i, budget=t.budget, history_tokens=st.history_tokens)
                 )
-        for preset, items in by_preset.items():
+        for key, items in calls.items():
             t0 = time.perf_counter()
-            results = compression.compress(preset, self.cache, items)
+            if key[0] == "kara":
+                results = compression.compress_windows(self.cache, items, window=key[1], buffer=key[2])
+            else:
+                results = compression.compress(key[0], self.cache, items)
             self.compress_seconds += time.perf_counter() - t0
             self.compress_calls += 1
             for it, r in zip(items, results):
@@ -134,9 +210,10 @@ class Engine:
                 self._record_keepmap(it.seq, r.new_length)
 
     def _record_keepmap(self, seq: int, length: int) -> None:
-        nb = -(-length // BLOCK_SIZE)
+        nb = -(-length // self.b)
         tbl = self.cache.block_table[seq, :nb]
-        pos = self.cache.positions[list(KEEPMAP_LAYERS)][:, tbl].reshape(len(KEEPMAP_LAYERS), -1, self.w.config.n_kv_heads)
+        layers = [l for l in KEEPMAP_LAYERS if l < self.w.config.n_layers]
+        pos = self.cache.positions[layers][:, tbl].reshape(len(layers), -1, self.w.config.n_kv_heads)
         self.keepmaps[seq].append(
             {"step": self.step_count, "next_pos": int(self.cache.next_pos[seq]), "positions": pos[:, :length].transpose(0, 2, 1).tolist()}
         )
@@ -159,12 +236,12 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
     max_len += max((len(tok.encode(p.question).ids) for p in session.probes), default=0) + 12 + ANSWER_TOKENS
     eng = Engine(w, configs, len(first), max_len)
     S = len(configs)
-    kls, agrees, turn_of_step = [], [], []
+    kls, agrees, turn_of_step, attended = [], [], [], []
     answers = []
     t0 = time.perf_counter()
     logits = eng.prefill(first)
     log(f"[{session.name}] prompt {len(first)} tokens prefilled in {time.perf_counter() - t0:.1f}s; {S} sequences, "
-        f"{eng.cache.num_blocks} blocks of {BLOCK_SIZE}")
+        f"{eng.cache.num_blocks} blocks of {eng.b}")
     for ti, turn in enumerate(session.turns):
         if ti > 0:
             for t in tok.encode(f"\n<|im_start|>user\n{turn.user}<|im_end|>\n<|im_start|>assistant\n").ids:
@@ -172,7 +249,7 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
         gen = []
         while True:
             kl, ag = kl_and_top1(logits)
-            kls.append(kl), agrees.append(ag), turn_of_step.append(ti)
+            kls.append(kl), agrees.append(ag), turn_of_step.append(ti), attended.append(eng.attended.copy())
             nxt = int(logits[0].argmax())
             if len(gen) >= caps[ti] and nxt != im_end:
                 nxt = im_end  # the cap: close the turn (this forced token is still measured above)
@@ -189,9 +266,11 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
     base_cache = eng.cache.snapshot()
     base_states = [dataclasses.replace(s) for s in eng.states]
     base_steps = eng.step_count
+    base_clock = eng.clock
     probe_results = []
     for p in session.probes:
         eng.cache, eng.states = base_cache.snapshot(), [dataclasses.replace(s) for s in base_states]
+        eng.clock = base_clock
         for t in tok.encode(f"\n<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n").ids:
             logits = eng.step(np.full(S, t))
         outs = [[] for _ in range(S)]
@@ -228,6 +307,10 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
         "agree": np.array(agrees).T.astype(int).tolist(),
         "turn_of_step": turn_of_step,
         "compressions": [s.compressions for s in base_states],
+        # Tokens each configuration's attention read for the measured logits, and its length
+        # after the last turn.
+        "cache_tokens": np.array(attended).T.tolist(),  # [config][step]
+        "final_lengths": [int(x) for x in base_cache.lengths],
         "probes": probe_results,
         "keepmaps": {configs[i].name: v for i, v in eng.keepmaps.items()},
     }
@@ -240,7 +323,14 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=None, help="multiply every turn's token cap (default 1; quick 0.2)")
     ap.add_argument("--sessions", default=None, help="comma-separated session names (default: all; quick: story)")
     ap.add_argument("--presets", default=",".join(SEED_PRESETS),
-                    help="comma-separated presets (default: the six seed presets); 'none' runs the full cache alone")
+                    help="comma-separated presets (default: the six seed presets; 'kara' runs Kara's window "
+                         "configurations, see --kara); 'none' runs the full cache alone")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
+                    help="comma-separated budgets of the budgeted presets, multiples of the block size "
+                         f"(default {','.join(map(str, BUDGETS))})")
+    ap.add_argument("--kara", default=",".join(f"{w}/{u}/{r:g}" for w, u, r in KARA_SETTINGS),
+                    help="Kara's configurations, comma-separated window/buffer/ratio (default: "
+                         + ", ".join(f"{w}/{u}/{r:g}" for w, u, r in KARA_SETTINGS) + ")")
     ap.add_argument("--blas-threads", type=int, default=1,
                     help="BLAS threads (default 1: on the shared 2-core machine two threads made the small "
                          "per-layer products 6x slower, 60 ms against 9 ms for the gate/up product)")
@@ -261,7 +351,11 @@ def run(args) -> int:
     unknown = [p for p in presets if p not in compression.PRESETS]
     if unknown:
         raise SystemExit(f"unknown presets {unknown}; kvpolicy has {list(compression.PRESETS)}")
-    configs = [SeqConfig("full", None, None)] + [SeqConfig(f"{p}@{b}", p, b) for b in BUDGETS for p in presets]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    budgeted = [p for p in presets if p != "kara"]
+    kara = [kara_config(int(w), int(u), float(r)) for w, u, r in (x.split("/") for x in args.kara.split(","))] \
+        if "kara" in presets else []
+    configs = [SeqConfig("full", None, None)] + [SeqConfig(f"{p}@{b}", p, b) for b in budgets for p in budgeted] + kara
     scale = args.scale if args.scale is not None else (0.2 if args.quick else 1.0)
     names = args.sessions.split(",") if args.sessions else (["story"] if args.quick else [s.name for s in prompts.SESSIONS])
     sessions = [s for s in prompts.SESSIONS if s.name in names]
@@ -274,7 +368,8 @@ def run(args) -> int:
         "block_size": BLOCK_SIZE,
         "query_window": QUERY_WINDOW,
         "blas_threads": args.blas_threads,
-        "budgets": list(BUDGETS),
+        "budgets": budgets,
+        "kara_period": KARA_PERIOD,
         "presets": presets,
         "keepmap_layers": list(KEEPMAP_LAYERS),
         "configs": [dataclasses.asdict(c) for c in configs],

@@ -11,7 +11,12 @@ What an engine holds, and what the presets read (docs/views.md):
   contiguous slice `[(p + 1) % w, (p + 1) % w + w)`: `query_window()` is that view, no copy;
 - `scores`: the global score F, `[L, num_blocks, b, h_kv]` fp32 (score_view::contiguous);
 - `positions`: each cached token's original position, `[L, num_blocks, b, h_kv]` int32
-  (position_view::contiguous), moved with its token by a compression.
+  (position_view::contiguous), moved with its token by a compression;
+- `history`: for the sequences that compress a window at a time (Kara), the queries of
+  their last `history_len` positions, `[L, seqs, history_len, h_q, d]`, a ring indexed by
+  original position (`p % history_len`): a window's |W| queries are not the newest ones
+  (the last, partial block comes after the window), so the short ring above cannot serve
+  them. `window_queries()` gathers a window's into the layout a query slot wants.
 
 Attention reads a sequence's tokens through its block table up to its length, so after a
 compression (kept tokens moved to the front, length shortened) the model sees only what
@@ -29,7 +34,8 @@ from model import Config, Weights, apply_rope, rmsnorm, rope_tables, silu
 
 
 class PagedCache:
-    def __init__(self, cfg: Config, num_seqs: int, num_blocks: int, block_size: int, max_blocks: int, window: int):
+    def __init__(self, cfg: Config, num_seqs: int, num_blocks: int, block_size: int, max_blocks: int, window: int,
+                 history_seqs=(), history_len: int = 0):
         self.cfg = cfg
         self.b = block_size
         self.window = window
@@ -42,6 +48,10 @@ class PagedCache:
         self.queries = np.zeros((L, num_seqs, 2 * window, hq, d), dtype=np.float32)
         self.scores = np.zeros((L, num_blocks, block_size, hk), dtype=np.float32)
         self.positions = np.zeros((L, num_blocks, block_size, hk), dtype=np.int32)
+        # The long query rings of the sequences that compress windows (row per sequence).
+        self.history_row = {int(s): i for i, s in enumerate(history_seqs)}
+        self.history_len = history_len if self.history_row else 0
+        self.history = np.zeros((L, len(self.history_row), self.history_len, hq, d), dtype=np.float32)
         # Free list, lowest id first, as a simple engine allocator would hand them out.
         self.free = list(range(num_blocks - 1, -1, -1))
         self.peak_blocks_used = 0
@@ -100,6 +110,9 @@ class PagedCache:
             last = np.arange(max(0, P - self.window), P)
             self.queries[:, s, last % self.window] = q[:, last]
             self.queries[:, s, last % self.window + self.window] = q[:, last]
+            if s in self.history_row:
+                kept = np.arange(max(0, P - self.history_len), P)
+                self.history[:, self.history_row[s], kept % self.history_len] = q[:, kept]
 
     # -- the observation window for a compression -----------------------------------
 
@@ -114,6 +127,22 @@ class PagedCache:
             raise RuntimeError("sequences at different positions: one window slice cannot serve them all")
         start = int(newest[0] + 1) % self.window
         return self.queries[:, :, start : start + self.window]
+
+    def window_queries(self, seq: int, window_begin: int, count: int) -> np.ndarray:
+        """[L, count, h_q, d]: the queries of the sequence's tokens window_begin .. + count - 1,
+        oldest first, from its ring. Those tokens must be uncompressed (generated since the
+        last compression, so their original positions are consecutive) and recent enough
+        to be in the ring; both are checked."""
+        row = self.history_row[seq]
+        t = np.arange(window_begin, window_begin + count)
+        pos = self.positions[0, self.block_table[seq, t // self.b], t % self.b, 0].astype(np.int64)
+        first = int(pos[0])
+        if not (pos == first + np.arange(count)).all():
+            raise RuntimeError(f"seq {seq}: window [{window_begin}, {window_begin + count}) holds positions that are "
+                               "not consecutive: it reaches into compressed tokens")
+        if first < self.next_pos[seq] - self.history_len:
+            raise RuntimeError(f"seq {seq}: position {first} has left the query ring of {self.history_len}")
+        return self.history[:, row, (first + np.arange(count)) % self.history_len]
 
     def snapshot(self) -> "PagedCache":
         return copy.deepcopy(self)
@@ -139,6 +168,8 @@ def decode_step(w: Weights, cache: PagedCache, tokens: np.ndarray) -> np.ndarray
     ring = pos % cache.window
     cos, sin = rope_tables(c, pos)
     groups = [np.flatnonzero(t_new == T) for T in np.unique(t_new)]
+    h_seqs = np.fromiter(cache.history_row, dtype=np.int64)  # sequences with a long query ring
+    h_rows = np.fromiter(cache.history_row.values(), dtype=np.int64)
     scale = np.float32(1.0 / np.sqrt(d))
 
     x = w.embed[tokens]
@@ -153,6 +184,8 @@ def decode_step(w: Weights, cache: PagedCache, tokens: np.ndarray) -> np.ndarray
         cache.positions[l, blk, slot] = pos[:, None]
         cache.queries[l, np.arange(S), ring] = q
         cache.queries[l, np.arange(S), ring + cache.window] = q
+        if len(h_seqs):
+            cache.history[l, h_rows, pos[h_seqs] % cache.history_len] = q[h_seqs]
         o = np.empty((S, hk, G, d), dtype=np.float32)
         kl, vl = cache.kv[0, l], cache.kv[1, l]
         for g in groups:

@@ -1,8 +1,10 @@
 """results.json (harness.py) -> docs/fidelity.md and its figures.
 
-Run: python report.py [--results out/results.json] [--docs ../../docs]
+Run: python report.py [--results out/results.json] [--kara-results out/kara/results.json] [--docs ../../docs]
 The page's numbers, tables and figures are all generated here; the discussion of what
-they mean is notes.md beside this file, included as written.
+they mean is notes.md beside this file, included as written. Kara's rows (harness.py
+--presets kara: windows, not budgets) come from --kara-results, or from --results when
+that run has them, and get a section of their own.
 """
 
 from __future__ import annotations
@@ -15,16 +17,20 @@ import sys
 import numpy as np
 
 HERE = pathlib.Path(__file__).parent
-LABELS = {"zipage": "Zipage", "rkv": "R-KV", "gkv": "G-KV", "snapkv": "SnapKV", "h2o": "H2O", "streaming_llm": "StreamingLLM"}
+LABELS = {"zipage": "Zipage", "rkv": "R-KV", "gkv": "G-KV", "snapkv": "SnapKV", "h2o": "H2O", "streaming_llm": "StreamingLLM",
+          "kara": "Kara"}
 
 
 def summarise(res: dict) -> dict:
     """Per configuration name: pooled top-1 agreement, mean KL, probes right; per session too."""
     names = [c["name"] for c in res["configs"]]
-    out = {n: {"agree": [], "kl": [], "right": 0, "asked": 0, "sessions": {}} for n in names}
+    out = {n: {"agree": [], "kl": [], "cache": [], "right": 0, "asked": 0, "sessions": {}} for n in names}
     for s in res["sessions"]:
         for i, n in enumerate(names):
             ag, kl = np.array(s["agree"][i]), np.array(s["kl"][i])
+            # Tokens attended at each measured step (runs before this was recorded: none).
+            cache = np.array(s["cache_tokens"][i], dtype=float) if "cache_tokens" in s else np.zeros(0)
+            out[n]["cache"].append(cache)
             right = sum(p["right"][i] for p in s["probes"])
             out[n]["agree"].append(ag)
             out[n]["kl"].append(kl)
@@ -36,10 +42,14 @@ def summarise(res: dict) -> dict:
                 "right": right,
                 "asked": len(s["probes"]),
                 "compressions": s["compressions"][i],
+                "cache": float(cache.mean()) if cache.size else None,
+                "final_length": s["final_lengths"][i] if "final_lengths" in s else None,
             }
     for n in names:
         ag, kl = np.concatenate(out[n]["agree"]), np.concatenate(out[n]["kl"])
+        cache = np.concatenate(out[n]["cache"])
         out[n]["agree"], out[n]["kl"] = float(ag.mean()), float(kl.mean())
+        out[n]["cache"] = float(cache.mean()) if cache.size == ag.size and cache.size else None
         out[n]["agree_steps"], out[n]["kl_steps"] = ag, kl
     return out
 
@@ -65,7 +75,7 @@ def plot_agreement(res: dict, summ: dict, path: pathlib.Path) -> None:
 
     budgets = res["budgets"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for p in res["presets"]:
+    for p in budgeted(res):
         ag = [100 * summ[f"{p}@{b}"]["agree"] for b in budgets]
         kl = [summ[f"{p}@{b}"]["kl"] for b in budgets]
         axes[0].plot(budgets, ag, marker="o", label=LABELS[p])
@@ -103,7 +113,7 @@ def plot_keepmap(res: dict, path: pathlib.Path) -> str:
 
     session, budget, li, head = pick_keepmap(res)
     s = next(x for x in res["sessions"] if x["name"] == session)
-    presets = res["presets"]
+    presets = budgeted(res)
     fig, axes = plt.subplots(len(presets), 1, figsize=(10, 1.35 * len(presets) + 1), sharex=True)
     span = max((r["next_pos"] for p in presets for r in s["keepmaps"][f"{p}@{budget}"]), default=1)
     for ax, p in zip(axes, presets):
@@ -133,9 +143,9 @@ def fmt_table(res: dict, summ: dict, key: str, fmt) -> list[str]:
     lines = ["| preset | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---:|" * len(budgets)]
     best = {}
     for b in budgets:
-        vals = {p: summ[f"{p}@{b}"][key] for p in res["presets"]}
+        vals = {p: summ[f"{p}@{b}"][key] for p in budgeted(res)}
         best[b] = max(vals, key=vals.get) if key == "agree" else min(vals, key=vals.get)
-    for p in res["presets"]:
+    for p in budgeted(res):
         cells = []
         for b in budgets:
             v = fmt(summ[f"{p}@{b}"][key])
@@ -148,7 +158,7 @@ def paired(res: dict, summ: dict) -> list[str]:
     rng = np.random.default_rng(0)
     out = []
     for b in res["budgets"]:
-        order = sorted(res["presets"], key=lambda p: -summ[f"{p}@{b}"]["agree"])
+        order = sorted(budgeted(res), key=lambda p: -summ[f"{p}@{b}"]["agree"])
         best = summ[f"{order[0]}@{b}"]["agree_steps"]
         cells = []
         for p in order[1:]:
@@ -161,7 +171,7 @@ def paired(res: dict, summ: dict) -> list[str]:
 def ranking(res: dict, summ: dict) -> list[str]:
     out = []
     for b in res["budgets"]:
-        order = sorted(res["presets"], key=lambda p: -summ[f"{p}@{b}"]["agree"])
+        order = sorted(budgeted(res), key=lambda p: -summ[f"{p}@{b}"]["agree"])
         out.append(
             f"- budget {b}: "
             + " > ".join(f"{LABELS[p]} ({100 * summ[f'{p}@{b}']['agree']:.1f}%, KL {summ[f'{p}@{b}']['kl']:.3f})" for p in order)
@@ -169,7 +179,185 @@ def ranking(res: dict, summ: dict) -> list[str]:
     return out
 
 
-def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str) -> str:
+def same_reference(res: dict, kres: dict) -> bool:
+    """Whether two passes' full caches answered every turn of every session alike."""
+    return all(
+        s["assistant_answers"] == next((m["assistant_answers"] for m in res["sessions"] if m["name"] == s["name"]), None)
+        for s in kres["sessions"]
+    )
+
+
+def threshold_attended(full: list[int], budget: int, b: int) -> np.ndarray:
+    """The tokens a budgeted configuration attends to at the steps where the full cache
+    attends to `full` (its prompt first): the threshold trigger's rule is a function of
+    the length alone (grow a token per step; at budget + b, back to the budget)."""
+    at, length = {full[0]: full[0]}, full[0]
+    for T in range(full[0] + 1, max(full) + 1):
+        length += 1
+        at[T] = length
+        if length >= (budget // b + 1) * b and length % b == 0:
+            length = budget
+    return np.array([at[t] for t in full], dtype=float)
+
+
+def fill_threshold_cache(res: dict, summ: dict, kres: dict) -> bool:
+    """For a run that predates the record of tokens attended: its budgeted presets' mean
+    cache from the threshold rule at the reference lengths Kara's pass recorded (the same
+    sessions and reference). True when it filled them."""
+    if not same_reference(res, kres) or any("cache_tokens" not in s for s in kres["sessions"]):
+        return False
+    filled = False
+    for p in budgeted(res):
+        for bb in res["budgets"]:
+            m = summ[f"{p}@{bb}"]
+            if m["cache"] is not None:
+                continue
+            per = {s["name"]: threshold_attended(s["cache_tokens"][0], bb, res["block_size"]) for s in kres["sessions"]}
+            for name, x in per.items():
+                m["sessions"][name]["cache"] = float(x.mean())
+            m["cache"] = float(np.concatenate(list(per.values())).mean())
+            filled = True
+    return filled
+
+
+def kara_section(kres: dict, ksumm: dict, res: dict, summ: dict, computed: bool = False) -> list[str]:
+    """Kara's rows: windows compressed once each, against the budgeted presets by cache size."""
+    kcfg = [c for c in kres["configs"] if c["preset"] == "kara"]
+    b = kres["block_size"]
+    windows = sorted({c["window"] for c in kcfg})
+    buffers = sorted({c["buffer"] for c in kcfg})
+    ratios = sorted({c["ratio"] for c in kcfg})
+    names = [s["name"] for s in kres["sessions"]]
+    same = same_reference(res, kres)
+    L = [
+        "## Kara: a window at a time",
+        "",
+        "`kvp::presets::kara` (docs/pipeline.md, \"A window at a time: Kara\") does not hold a sequence to a budget: "
+        "it compresses each window of recent tokens once, to a fraction of it, and never touches it again, so the "
+        "cache keeps growing, more slowly. It gets its own rows, from a pass of its own "
+        "(`python harness.py --presets kara`; `scripts/fidelity.sh --kara` runs it alone), with the same sessions, "
+        "reference, teacher forcing and metrics"
+        + (" (its reference, decoded again in that pass, answers every turn as the one above)." if same
+           else " (its reference, decoded again in that pass, answers differently from the one above: the two "
+                "passes are compared on different tokens).")
+        + " Each configuration is kara@|W|/|U|/r"
+        + (f"; beside them, at a cache of a similar size, "
+           + ", ".join(f"{LABELS[p]} at budget {bb}" for bb in kres["budgets"] for p in budgeted(kres))
+           + " under the threshold trigger as above" if budgeted(kres) and kres is not res else "")
+        + ":",
+        "",
+        f"- **Windows**: `|W|` {' or '.join(map(str, windows))} tokens (whole blocks of {b}), buffer `|U|` "
+        f"{' or '.join(map(str, buffers))}, retention r {' or '.join(f'{r:g}' for r in ratios)}: each window keeps "
+        "`ceil(r (|W| - |U|))` tokens of its `W \\ U` ("
+        + ", ".join(f"{c['budget']} of {c['window'] - c['buffer']}" for c in kcfg)
+        + ") and its buffer; Token2Chunk with the preset's gamma 8 and alpha 16, group sum "
+        "(`kvpolicy.Kara(window=..., buffer=...)`).",
+        f"- **Trigger**: `kvp::trigger::periodic`'s rule with period {kres.get('kara_period', b)} steps of the "
+        "engine's step counter (at most the block size, so a window is compressed at the first check after it "
+        "fills and no block is passed over): after step `|W|`, at every period, a sequence whose window, the `|W|` "
+        "tokens in whole blocks before its last (possibly partial) block (`window_begin = ((T - 1) / b) * b - |W|`), "
+        "holds only tokens appended since its last compression (or the prompt, before the first) is compressed, "
+        "as `window_begins` items of `kvpolicy.compress`. The tokens after a window up to the next block boundary "
+        "are never in a later window, and neither is the prompt before the first window: the first turn stays whole.",
+        "- **Queries**: the harness keeps each Kara sequence's last `|W| + b` queries as it decodes (a ring by "
+        "original position) and copies the window's `|W|` into the call's query slots (docs/integration.md section "
+        "7: the queries the engine decoded, not Kara C.2's recomputation over the compressed cache).",
+        "- **Cache size**: the tokens each configuration's attention read, averaged over the measured steps "
+        + ("(the budgeted presets' above predate this record: theirs is computed from the threshold trigger's "
+           "rule at the lengths this pass's full cache recorded, a rule of the length alone, which reproduces "
+           "this pass's own budgeted rows exactly)." if computed
+           else "(the budgeted presets' too, from the same record)."
+           if all(summ[f"{p}@{bb}"]["cache"] is not None for p in budgeted(res) for bb in res["budgets"])
+           else f"(the run above predates this record: its presets hold between the budget and the budget + {b} "
+                "tokens once compressed, and the prompt and what follows until the first compression)."),
+        "",
+        "| configuration | kept per window | top-1 agreement % | mean KL | facts right | mean cache | "
+        "cache after the last turn (" + ", ".join(names) + ") | compressions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in kcfg:
+        m = ksumm[c["name"]]
+        finals = ", ".join(str(m["sessions"][n]["final_length"]) for n in names)
+        comps = ", ".join(str(m["sessions"][n]["compressions"]) for n in names)
+        L.append(
+            f"| {c['name']} | {c['budget'] + c['buffer']} of {c['window']} | {100 * m['agree']:.1f} | {m['kl']:.3f} | "
+            f"{m['right']}/{m['asked']} | {m['cache']:.0f} | {finals} | {comps} |"
+        )
+    for c in kres["configs"]:
+        if c["preset"] not in (None, "kara"):
+            m = ksumm[c["name"]]
+            L.append(f"| {c['name']} (budget, threshold trigger) | {c['budget']} in all | {100 * m['agree']:.1f} | "
+                     f"{m['kl']:.3f} | {m['right']}/{m['asked']} | {m['cache']:.0f} | "
+                     + ", ".join(str(m["sessions"][n]["final_length"]) for n in names) + " | "
+                     + ", ".join(str(m["sessions"][n]["compressions"]) for n in names) + " |")
+    ref = ksumm["full"]
+    L.append(f"| full cache (this pass) | all | 100.0 | 0.000 | {ref['right']}/{ref['asked']} | {ref['cache']:.0f} | "
+             + ", ".join(str(ref["sessions"][n]["final_length"]) for n in names) + " | 0 |")
+    L += ["", "Per session (top-1 agreement %, mean KL, facts right, mean cache):", "",
+          "| configuration | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for c in [c for c in kres["configs"] if c["preset"]]:
+        row = ksumm[c["name"]]["sessions"]
+        L.append(f"| {c['name']} | " + " | ".join(
+            f"{100 * row[n]['agree']:.1f}, {row[n]['kl']:.3f}, {row[n]['right']}/{row[n]['asked']}, {row[n]['cache']:.0f}"
+            for n in names) + " |")
+    # Against the budgeted presets, by cache size.
+    rows = []
+    for c in kcfg:
+        m = ksumm[c["name"]]
+        rows.append((m["cache"], c["name"], m))
+    for bb in res["budgets"]:
+        for p in budgeted(res):
+            m = summ[f"{p}@{bb}"]
+            size = m["cache"] if m["cache"] is not None else bb + b / 2
+            rows.append((size, f"{LABELS[p]} @ {bb}", m))
+    if kres is not res:  # budgeted presets run in Kara's pass, at sizes like its own (--budgets)
+        for bb in kres["budgets"]:
+            for p in budgeted(kres):
+                m = ksumm[f"{p}@{bb}"]
+                rows.append((m["cache"], f"{LABELS[p]} @ {bb} (Kara's pass)", m))
+    if any(not n.startswith("kara") for _, n, _ in rows):
+        L += ["", "Against the budgeted presets by the cache each holds (mean tokens attended"
+              + ("" if all(summ[f"{p}@{bb}"]["cache"] is not None for p in budgeted(res) for bb in res["budgets"])
+                 else f"; a budgeted preset's given as budget + {b // 2}, the middle of its range")
+              + "), the budgeted ones at their best and worst preset per budget:", "",
+              "| configuration | cache | top-1 agreement % | mean KL | facts right |", "|---|---:|---:|---:|---:|"]
+        keep = {n for _, n, _ in rows if n.startswith("kara") or n.endswith("(Kara's pass)")}
+        for bb in res["budgets"]:
+            ranked = sorted(budgeted(res), key=lambda p: -summ[f"{p}@{bb}"]["agree"])
+            keep |= {f"{LABELS[ranked[0]]} @ {bb}", f"{LABELS[ranked[-1]]} @ {bb}"}
+        for size, n, m in sorted(rows, key=lambda r: r[0]):
+            if n in keep:
+                L.append(f"| {n} | {size:.0f} | {100 * m['agree']:.1f} | {m['kl']:.3f} | {m['right']}/{m['asked']} |")
+    others = [c["name"] for c in kres["configs"] if c["preset"] not in (None, "kara")]
+    if others:
+        best = max(others, key=lambda n: ksumm[n]["agree"])
+        rng = np.random.default_rng(0)
+        cells = []
+        for c in kcfg:
+            d = ksumm[c["name"]]["agree_steps"].astype(float) - ksumm[best]["agree_steps"]
+            cells.append(f"{c['name']} {100 * d.mean():+.1f} ± {100 * block_bootstrap(d, rng):.1f}")
+        L += ["", f"Each Kara configuration's agreement minus {best}'s, the best budgeted row of the same pass, in "
+              "points with a paired 95% interval (as above: blocks of 64 steps): " + "; ".join(cells) + "."]
+    L += ["", "Planted facts, Kara's answers:", ""]
+    for s in kres["sessions"]:
+        for p in s["probes"]:
+            right = [kres["configs"][i]["name"] for i in range(1, len(kres["configs"])) if p["right"][i]]
+            L.append(f"- *{p['question']}* right: {', '.join(right) if right else 'none'}"
+                     + ("" if p["right"][0] else " (the full cache of this pass misses it)"))
+            wrong = [i for i in range(1, len(kres["configs"])) if not p["right"][i]]
+            if wrong:
+                L.append(f"  - e.g. {kres['configs'][wrong[0]]['name']}: \"{p['answers'][wrong[0]].strip()}\"")
+    L.append("")
+    return L
+
+
+def budgeted(res: dict) -> list[str]:
+    """The presets compressed to a budget (every one but Kara)."""
+    return [p for p in res["presets"] if p != "kara"]
+
+
+def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres: dict | None = None,
+              ksumm: dict | None = None) -> str:
     rec = json.loads((HERE / "tests" / "reference_logits.json").read_text())
     m = rec["measured"]
     sessions = res["sessions"]
@@ -233,7 +421,7 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str) -> s
         "bakery's name (given in the first turn) asked at the end.",
         "- **Reference**: sequence 0 of the cache keeps everything and decodes greedily; each assistant turn "
         "ends at `<|im_end|>` or at its token cap.",
-        f"- **Configurations**: every preset ({', '.join(LABELS[p] for p in res['presets'])}) at budgets "
+        f"- **Configurations**: every preset ({', '.join(LABELS[p] for p in budgeted(res))}) at budgets "
         f"{', '.join(map(str, budgets))}, {len(res['configs']) - 1} sequences of the same paged cache, each fed "
         "the reference's tokens (teacher forcing), so one matrix product per weight serves all of them and "
         "only attention, through each sequence's block table and length, differs.",
@@ -267,12 +455,12 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str) -> s
         "| preset | " + " | ".join(f"budget {b}" for b in budgets) + " |",
         "|---|" + "---:|" * len(budgets),
     ]
-    for p in res["presets"]:
+    for p in budgeted(res):
         L.append(f"| {LABELS[p]} | " + " | ".join(f"{summ[f'{p}@{b}']['right']}" for b in budgets) + " |")
     L += ["", "Per session (top-1 agreement %, mean KL, facts right):", ""]
     L += ["| preset | budget | " + " | ".join(s["name"] for s in sessions) + " |", "|---|---:|" + "---|" * len(sessions)]
     for b in budgets:
-        for p in res["presets"]:
+        for p in budgeted(res):
             row = summ[f"{p}@{b}"]["sessions"]
             L.append(
                 f"| {LABELS[p]} | {b} | "
@@ -301,6 +489,9 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str) -> s
         "![keep map](fidelity_keepmap.png)",
         "",
     ]
+    if kres is not None:
+        computed = kres is not res and fill_threshold_cache(res, summ, kres)
+        L += kara_section(kres, ksumm, res, summ, computed)
     notes = HERE / "notes.md"
     if notes.exists() and not res["quick"] and res["backend"].startswith("kvpolicy"):
         L += [notes.read_text().rstrip(), ""]
@@ -326,6 +517,20 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str) -> s
         )
         + f". BLAS threads: {res.get('blas_threads', 'default')}."
     )
+    if kres is not None and kres is not res:
+        L.append("")
+        L.append(
+            f"Kara's pass (`harness.py --presets {','.join(kres['presets'])}"
+            + (f" --budgets {','.join(map(str, kres['budgets']))}" if budgeted(kres) else "")
+            + f"{' --quick' if kres['quick'] else ''}`): "
+            f"{kres['seconds'] / 60:.1f} minutes, "
+            + "; ".join(
+                f"'{s['name']}' {s['decode_steps']} decode steps for {len(kres['configs'])} sequences in "
+                f"{s['seconds']:.0f} s, of which {s['compress_seconds']:.0f} s in {s['compress_calls']} compression calls"
+                for s in kres["sessions"]
+            )
+            + f". BLAS threads: {kres.get('blas_threads', 'default')}."
+        )
     L.append("")
     text = "\n".join(L)
     (docs / "fidelity.md").write_text(text)
@@ -335,15 +540,23 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str) -> s
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(HERE / "out" / "results.json"))
+    ap.add_argument("--kara-results", default=None,
+                    help="results.json of a Kara pass (harness.py --presets kara): the page's Kara section")
     ap.add_argument("--docs", default=str(HERE.parent.parent / "docs"))
     args = ap.parse_args(argv)
     res = json.loads(pathlib.Path(args.results).read_text())
     summ = summarise(res)
+    kres, ksumm = None, None
+    if args.kara_results:
+        kres = json.loads(pathlib.Path(args.kara_results).read_text())
+        ksumm = summarise(kres)
+    elif "kara" in res["presets"]:
+        kres, ksumm = res, summ
     docs = pathlib.Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     plot_agreement(res, summ, docs / "fidelity_agreement.png")
     caption = plot_keepmap(res, docs / "fidelity_keepmap.png")
-    write_doc(res, summ, docs, caption)
+    write_doc(res, summ, docs, caption, kres, ksumm)
     print("\n".join(ranking(res, summ)))
     print(f"wrote {docs / 'fidelity.md'}")
     return 0
