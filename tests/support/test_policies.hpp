@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvpolicy/kvpolicy.hpp"
+#include "support/test_cache.hpp"
 
 namespace kvp_test {
 
@@ -33,6 +34,15 @@ struct first_element_scorer {
   KVP_HOST_DEVICE float key_score(kvp::row_ref k, std::int32_t, std::int32_t) const noexcept { return k[0]; }
 };
 static_assert(kvp::KeyScorer<first_element_scorer>);
+
+// first_element_scorer's scores of the row (l, seq, h): element 0 of each key set to s[t].
+inline void set_first_elements(test_cache& tc, int l, int seq, int h, const std::vector<float>& s) {
+  for (int t = 0; t < static_cast<int>(s.size()); ++t) {
+    auto k = tc.key(l, seq, t, h);
+    k[0] = s[t];
+    tc.set_key(l, seq, t, h, k);
+  }
+}
 
 // A pipeline whose final score is exactly -R for redundancy r (no scorer, so S = 0;
 // lambda 0 in the weighted form; nothing protected): R read back through an executor.

@@ -18,14 +18,6 @@ namespace {
 using scored_compact = kvp::pipeline<kvp_test::first_element_scorer, kvp::aggregate::accumulate, none,
                                      kvp::select::top_k, kvp::layout::compact>;
 
-void set_scores(test_cache& tc, int l, int seq, int h, const std::vector<float>& s) {
-  for (int t = 0; t < static_cast<int>(s.size()); ++t) {
-    auto k = tc.key(l, seq, t, h);
-    k[0] = s[t];
-    tc.set_key(l, seq, t, h, k);
-  }
-}
-
 }  // namespace
 
 TEST_CASE("compact: the hook") {
@@ -40,8 +32,8 @@ TEST_CASE("compact: kept tokens move in order to the front, F with them, blocks 
       test_cache tc({.block_size = 3, .kv_heads = 2, .head_dim = 2, .type = type, .lengths = {8}, .layout = layout});
       CAPTURE(tc.describe());
       // Head 0 keeps {0, 2, 6, 7}; head 1 keeps {1, 3, 5, 7} (7 is the protected window).
-      set_scores(tc, 0, 0, 0, {5, 1, 4, 0, 3, 2, 9, 8});
-      set_scores(tc, 0, 0, 1, {0, 7, 1, 6, 2, 5, 3, 4});
+      kvp_test::set_first_elements(tc, 0, 0, 0, {5, 1, 4, 0, 3, 2, 9, 8});
+      kvp_test::set_first_elements(tc, 0, 0, 1, {0, 7, 1, 6, 2, 5, 3, 4});
       const auto before = tc.take_snapshot();
       scored_compact p;
       p.protect = {.window = 1, .sinks = 0};
@@ -140,8 +132,8 @@ TEST_CASE("compact: each token's original position moves with it, per head") {
   for (auto layout : kvp_test::all_layouts) {
     CAPTURE(kvp_test::layout_name(layout));
     test_cache tc({.block_size = 3, .kv_heads = 2, .head_dim = 4, .lengths = {8}, .layout = layout});
-    set_scores(tc, 0, 0, 0, {5, 1, 7, 2, 8, 0, 6, 3});  // head 0 keeps 0 2 4 6
-    set_scores(tc, 0, 0, 1, {0, 9, 1, 9, 2, 9, 3, 9});  // head 1 keeps 1 3 5 7
+    kvp_test::set_first_elements(tc, 0, 0, 0, {5, 1, 7, 2, 8, 0, 6, 3});  // head 0 keeps 0 2 4 6
+    kvp_test::set_first_elements(tc, 0, 0, 1, {0, 9, 1, 9, 2, 9, 3, 9});  // head 1 keeps 1 3 5 7
     const auto before = tc.take_snapshot();
     scored_compact p;
     p.protect = {.window = 0, .sinks = 0};

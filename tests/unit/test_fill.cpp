@@ -19,14 +19,6 @@ namespace {
 using scored_fill = kvp::pipeline<kvp_test::first_element_scorer, kvp::aggregate::accumulate, none, kvp::select::top_k,
                                   kvp::layout::fill>;
 
-void set_scores(test_cache& tc, int l, int seq, int h, const std::vector<float>& s) {
-  for (int t = 0; t < static_cast<int>(s.size()); ++t) {
-    auto k = tc.key(l, seq, t, h);
-    k[0] = s[t];
-    tc.set_key(l, seq, t, h, k);
-  }
-}
-
 }  // namespace
 
 TEST_CASE("fill: holes below the count take the newest kept tokens past it, with F and positions, by hand") {
@@ -35,8 +27,8 @@ TEST_CASE("fill: holes below the count take the newest kept tokens past it, with
   for (auto layout : kvp_test::all_layouts) {
     CAPTURE(kvp_test::layout_name(layout));
     test_cache tc({.block_size = 3, .kv_heads = 2, .head_dim = 4, .lengths = {8}, .layout = layout});
-    set_scores(tc, 0, 0, 0, {5, 1, 7, 2, 8, 0, 6, 3});
-    set_scores(tc, 0, 0, 1, {0, 9, 1, 9, 2, 9, 3, 9});
+    kvp_test::set_first_elements(tc, 0, 0, 0, {5, 1, 7, 2, 8, 0, 6, 3});
+    kvp_test::set_first_elements(tc, 0, 0, 1, {0, 9, 1, 9, 2, 9, 3, 9});
     const auto before = tc.take_snapshot();
     scored_fill p;
     p.protect = {.window = 0, .sinks = 0};

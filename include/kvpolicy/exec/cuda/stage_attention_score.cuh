@@ -27,6 +27,16 @@ struct score_launch {
   const std::int32_t* stats_ready;  // null, or lightning's per-row count of finished blocks
 };
 
+// Query rows are read 16 bytes at a time (the kernels' loads and fragments).
+inline void check_query_rows(const query_window_view& q) {
+  const auto aligned = [&](std::int64_t elems) { return elems * size_of(q.type) % 16 == 0; };
+  require(aligned(q.layer_stride) && aligned(q.slot_stride) && aligned(q.pos_stride) && aligned(q.head_stride),
+          "queries", "strides (layer {}, slot {}, pos {}, head {}) must keep rows on 16-byte boundaries", q.layer_stride,
+          q.slot_stride, q.pos_stride, q.head_stride);
+  require(reinterpret_cast<std::uintptr_t>(q.base) % 16 == 0, "queries.base", "address {:#x} is not 16-byte aligned",
+          reinterpret_cast<std::uintptr_t>(q.base));
+}
+
 struct attention_score_stage {
   struct plan_type : launch_plan {
     bool mma = false;               // on tensor cores
@@ -63,12 +73,7 @@ struct attention_score_stage {
     require(pl.smem <= c.dev.smem_per_block, "pipeline.scorer.window",
             "is {}; {} queries of {} dims per KV head exceed {} bytes of shared memory", c.p.scorer.window,
             c.p.scorer.window * c.group_size(), c.cache.head_dim, c.dev.smem_per_block);
-    const auto aligned = [&](std::int64_t elems) { return elems * size_of(q.type) % 16 == 0; };
-    require(aligned(q.layer_stride) && aligned(q.slot_stride) && aligned(q.pos_stride) && aligned(q.head_stride),
-            "queries", "strides (layer {}, slot {}, pos {}, head {}) must keep rows on 16-byte boundaries",
-            q.layer_stride, q.slot_stride, q.pos_stride, q.head_stride);
-    require(reinterpret_cast<std::uintptr_t>(q.base) % 16 == 0, "queries.base", "address {:#x} is not 16-byte aligned",
-            reinterpret_cast<std::uintptr_t>(q.base));
+    check_query_rows(q);
   }
 
   template <class P>

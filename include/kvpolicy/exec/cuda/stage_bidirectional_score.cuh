@@ -43,13 +43,7 @@ struct bidirectional_score_stage {
     require(pl.smem <= c.dev.smem_per_block, "pipeline.scorer.window",
             "is {} (buffer {}); the {} keys of {} dims the scorer holds exceed {} bytes of shared memory", s.window,
             s.buffer, s.window - s.buffer, c.cache.head_dim, c.dev.smem_per_block);
-    const query_window_view& q = c.queries;
-    const auto aligned = [&](std::int64_t elems) { return elems * size_of(q.type) % 16 == 0; };
-    require(aligned(q.layer_stride) && aligned(q.slot_stride) && aligned(q.pos_stride) && aligned(q.head_stride),
-            "queries", "strides (layer {}, slot {}, pos {}, head {}) must keep rows on 16-byte boundaries",
-            q.layer_stride, q.slot_stride, q.pos_stride, q.head_stride);
-    require(reinterpret_cast<std::uintptr_t>(q.base) % 16 == 0, "queries.base", "address {:#x} is not 16-byte aligned",
-            reinterpret_cast<std::uintptr_t>(q.base));
+    check_query_rows(c.queries);
   }
 
   template <class P>
