@@ -56,11 +56,6 @@ struct score_dependent_count {
   }
 };
 
-// Token2Chunk (select/token2chunk.hpp) on the row's block, as the host's keep_pattern:
-// the anchors by one radix select, their positions in order by a block scan, the
-// chunks by a second select over the anchor pairs, the fill by a third over the
-// tokens left. Keys of excluded tokens and of pairs that are not chunks are 0, below
-// every rank_bits key (the smallest, -inf at position 0, is 0x007fffff << 32).
 // The sum over the block of one count per thread, for every thread.
 __device__ inline std::int32_t block_count(std::int32_t v, radix_select_storage& sh) {
   std::int32_t pos = 0, total = 0;
@@ -69,6 +64,11 @@ __device__ inline std::int32_t block_count(std::int32_t v, radix_select_storage&
   return total;
 }
 
+// Token2Chunk (select/token2chunk.hpp) on the row's block, as the host's keep_pattern:
+// the anchors by one radix select, their positions in order by a block scan, the
+// chunks by a second select over the anchor pairs, the fill by a third over the
+// tokens left. Keys of excluded tokens and of pairs that are not chunks are 0, below
+// every rank_bits key (the smallest, -inf at position 0, is 0x007fffff << 32).
 struct token2chunk_pattern {
   static constexpr bool pattern = true;
   struct storage {};
