@@ -10,7 +10,9 @@
 
 namespace kvpy {
 
-// Copies `bytes` (a multiple of 8) from host `src` to device `dst` on `stream`.
+// Copies `bytes` from host `src` to device `dst` on `stream`, in whole 8-byte words:
+// `dst` has room for `bytes` rounded up to 8 (the tail past `bytes` is written 0).
+// Batch items are 20 bytes, so an odd count ends in half a word.
 cudaError_t upload_by_arguments(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 
 }  // namespace kvpy
