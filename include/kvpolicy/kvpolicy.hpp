@@ -29,6 +29,7 @@
 #include "kvpolicy/exec/validate.hpp"
 #include "kvpolicy/exec/validate_per_head.hpp"
 #include "kvpolicy/exec/host/move_cache.hpp"
+#include "kvpolicy/exec/host/per_head_compress.hpp"
 #include "kvpolicy/layout/compact.hpp"
 #include "kvpolicy/layout/fill.hpp"
 #include "kvpolicy/layout/window_compact.hpp"
