@@ -78,7 +78,7 @@ long check_same_results(const kvp::host_result& want, const kvp::host_result& go
   long near_ties = 0, masks_differ = 0, scores_differ = 0;
   std::string first_mask, first_score;
   for (std::size_t i = 0; i < items.size(); ++i) {
-    const i32 T = tc.length(items[i].seq) - items[i].window_begin;  // a window-only layout's masks cover the window
+    const i32 T = result_tokens(tc, items[i]);
     REQUIRE(want.keep_masks[i].size() % (static_cast<std::size_t>(H) * T) == 0);
     REQUIRE(got.keep_masks[i].size() == want.keep_masks[i].size());
     REQUIRE(got.scores[i].size() == want.scores[i].size());

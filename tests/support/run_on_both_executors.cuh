@@ -190,7 +190,7 @@ kvp::host_result run_cuda(const P& p, test_cache& tc, const std::vector<kvp::bat
       r.unshared_blocks[i].push_back(tc.raw_table()[tc.table_index(items[i].seq, j)]);
     // Device rows are [item][layer][head] with a pitch of max_tokens; the host's are T
     // long (the window's tokens, for a window-only layout).
-    const i32 T = tc.length(items[i].seq) - items[i].window_begin;
+    const i32 T = result_tokens(tc, items[i]);
     for (i32 row = 0; row < layers * H; ++row) {
       const std::size_t at = (std::size_t(i) * layers * H + row) * max_tokens;
       r.keep_masks[i].insert(r.keep_masks[i].end(), h_keep.begin() + at, h_keep.begin() + at + T);

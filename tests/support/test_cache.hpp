@@ -582,6 +582,10 @@ class test_cache {
   std::vector<std::pair<i32, i32>> owner_;
 };
 
+// Tokens of an item's rows in keep masks and scores: its sequence, or its window for a
+// window-only layout (window_begin is 0 for every other layout).
+inline i32 result_tokens(const test_cache& tc, const kvp::batch_item& it) { return tc.length(it.seq) - it.window_begin; }
+
 // A compression batch over `items` (kept alive by the caller).
 inline kvp::compression_batch make_batch(const std::vector<kvp::batch_item>& items, i32 layer_begin = 0,
                                          i32 layer_count = 0, kvp::prefix_targets targets = {}) {

@@ -22,7 +22,8 @@ KVP_HOST_DEVICE constexpr std::int32_t fill_pairs_per_row(std::int32_t max_token
 
 // One block per row. Pass 1 numbers the holes (evicted slots below k) in position
 // order and the movers (kept tokens at k or after) newest first, by block scans,
-// into the row's scratch (`pairs`: [rows][2][pitch]); pass 2 copies K and V 16 bytes
+// into the row's scratch (`pairs`: [rows][2][pitch]) as physical slots (block * b +
+// slot: the block table is read once per token, not once per 16 bytes); pass 2 copies K and V 16 bytes
 // per thread (for_each_slot, as the compaction), F and the position one thread per
 // move. `ready_in`: null to wait for the whole epilogue grid, or its row flags.
 template <bool Positions>
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(row_threads) fill_kernel(paged_kv_view cache, 
     const std::int32_t hole = t < k && !kept[t] ? 1 : 0;
     std::int32_t before = 0, total = 0;
     scan(scan_tmp).ExclusiveSum(hole, before, total);
-    if (hole) holes[n_holes + before] = t;
+    if (hole) holes[n_holes + before] = cache.physical_block(it.seq, t) * b + t % b;
     n_holes += total;
     __syncthreads();
   }
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(row_threads) fill_kernel(paged_kv_view cache, 
     const std::int32_t mover = t < T && kept[t] ? 1 : 0;
     std::int32_t before = 0, total = 0;
     scan(scan_tmp).ExclusiveSum(mover, before, total);
-    if (mover) movers[n_holes - 1 - (seen + before)] = t;
+    if (mover) movers[n_holes - 1 - (seen + before)] = cache.physical_block(it.seq, t) * b + t % b;
     seen += total;
     __syncthreads();
   }
@@ -79,20 +80,18 @@ __global__ void __launch_bounds__(row_threads) fill_kernel(paged_kv_view cache, 
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16);
   for_each_slot(n_holes, vecs, [&](std::int32_t, std::int32_t i, std::int32_t side, std::int32_t v) {
     const std::int32_t to = holes[i], from = movers[i];
-    const std::int32_t to_block = cache.physical_block(it.seq, to), from_block = cache.physical_block(it.seq, from);
-    const uint4* src = reinterpret_cast<const uint4*>(side ? cache.v_row_at(rc.layer, from_block, from % b, rc.head)
-                                                           : cache.k_row_at(rc.layer, from_block, from % b, rc.head));
-    uint4* dst = reinterpret_cast<uint4*>(side ? cache.v_row_at(rc.layer, to_block, to % b, rc.head)
-                                               : cache.k_row_at(rc.layer, to_block, to % b, rc.head));
+    const uint4* src = reinterpret_cast<const uint4*>(side ? cache.v_row_at(rc.layer, from / b, from % b, rc.head)
+                                                           : cache.k_row_at(rc.layer, from / b, from % b, rc.head));
+    uint4* dst = reinterpret_cast<uint4*>(side ? cache.v_row_at(rc.layer, to / b, to % b, rc.head)
+                                               : cache.k_row_at(rc.layer, to / b, to % b, rc.head));
     dst[v] = src[v];
   });
   if (f.empty() && !Positions) return;
   for (std::int32_t i = threadIdx.x; i < n_holes; i += blockDim.x) {
     const std::int32_t to = holes[i], from = movers[i];
-    const std::int32_t to_block = cache.physical_block(it.seq, to), from_block = cache.physical_block(it.seq, from);
-    if (!f.empty()) f.at(rc.layer, to_block, to % b, rc.head) = f.at(rc.layer, from_block, from % b, rc.head);
+    if (!f.empty()) f.at(rc.layer, to / b, to % b, rc.head) = f.at(rc.layer, from / b, from % b, rc.head);
     if constexpr (Positions)
-      cache.positions.at(rc.layer, to_block, to % b, rc.head) = cache.positions.at(rc.layer, from_block, from % b, rc.head);
+      cache.positions.at(rc.layer, to / b, to % b, rc.head) = cache.positions.at(rc.layer, from / b, from % b, rc.head);
   }
 }
 
