@@ -1,5 +1,6 @@
 // The seed systems, one type each: `kvp::presets::zipage{}` is Zipage's configuration
 // (SPEC.md, Presets), and every field can be overridden on the value.
+// presets::kv_compress (per-head blocks, not a pipeline) is in kv_compress_preset.hpp.
 #pragma once
 
 #include "kvpolicy/aggregate/accumulate.hpp"
@@ -10,6 +11,7 @@
 #include "kvpolicy/layout/compact.hpp"
 #include "kvpolicy/layout/fill.hpp"
 #include "kvpolicy/layout/window_compact.hpp"
+#include "kvpolicy/pipeline/kv_compress_preset.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"
 #include "kvpolicy/scorer/bidirectional_window.hpp"
