@@ -1,7 +1,9 @@
-// What both kvp_capi libraries share: the views a kvp_capi_shape describes, the
-// result words inside the caller's workspace, and the error guard.
+// What both kvp_capi libraries share: the views a kvp_capi_shape (or a
+// kvp_capi_per_head_shape) describes, the result words inside the caller's workspace,
+// and the error guard.
 #pragma once
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -93,6 +95,88 @@ inline views make_views(const kvp_capi_shape& s, void* kv, const void* q, float*
                                                  s.head_dim, type);
   v.scores = kvp::score_view::contiguous(f, s.num_blocks, s.block_size, s.num_kv_heads);
   return v;
+}
+
+// ---- The per-head entry points (kvp_capi_per_head_shape; kvp_capi.h) ----
+
+// Columns of a per-head item: (seq, blocks_to_free, logical_length), then one count per
+// layer with a per-layer budget.
+inline int per_head_item_columns(const kvp_capi_per_head_shape& s) {
+  return s.per_layer_budget ? 3 + s.num_layers : 3;
+}
+
+inline kvp::select::head_adaptive_blocks per_head_selector(const kvp_capi_per_head_shape& s) {
+  kvp::require(s.per_layer_budget == 0 || s.per_layer_budget == 1, "shape.per_layer_budget",
+               "is {}; 0 one count per sequence, 1 one count per layer", s.per_layer_budget);
+  kvp::select::head_adaptive_blocks sel;
+  sel.protected_window = s.protected_window;
+  sel.sinks = s.sinks;
+  sel.budget = s.per_layer_budget ? kvp::select::block_budget::layer : kvp::select::block_budget::sequence;
+  return sel;
+}
+
+// KV-Compress's unified cache: K and V `[num_blocks, b, d]`, one pool for every layer;
+// metric and positions `[num_blocks, b]`; tables and lengths dense, layer first.
+inline kvp::per_head_kv_view make_per_head_view(const kvp_capi_per_head_shape& s, void* k, void* v, float* metric,
+                                                std::int32_t* positions, const std::int32_t* tables,
+                                                const std::int32_t* lengths) {
+  kvp::require(s.dtype >= 0 && s.dtype <= 2, "shape.dtype", "is {}; 0 f16, 1 bf16, 2 f32", s.dtype);
+  kvp::require(s.num_items >= 0, "shape.num_items", "is {}; must not be negative", s.num_items);
+  kvp::per_head_kv_view c;
+  c.num_layers = s.num_layers;
+  c.num_blocks = s.num_blocks;
+  c.block_size = s.block_size;
+  c.num_kv_heads = s.num_kv_heads;
+  c.head_dim = s.head_dim;
+  c.num_seqs = s.num_seqs;
+  c.max_blocks = s.max_blocks;
+  c.type = static_cast<kvp::dtype>(s.dtype);
+  c.shared_pool = true;
+  c.k = kvp::layer_bases{k, 0, nullptr, 0};
+  c.v = kvp::layer_bases{v, 0, nullptr, 0};
+  c.k_stride = c.v_stride = kvp::per_head_kv_strides::contiguous(s.block_size, s.head_dim);
+  c.table = kvp::per_head_array::dense(tables, s.num_seqs, s.num_kv_heads, s.max_blocks);
+  c.lengths = kvp::per_head_array::dense(lengths, s.num_seqs, s.num_kv_heads, 1);
+  if (positions) c.positions = kvp::per_slot_positions::shared(positions, s.block_size);
+  if (metric) c.metric = kvp::per_slot_metric::shared(metric, s.block_size);
+  return c;
+}
+
+// The caller's items (host memory) as kvp::per_head_item; per_layer points into `items`.
+inline std::vector<kvp::per_head_item> host_per_head_items(const kvp_capi_per_head_shape& s,
+                                                           const std::int64_t* items) {
+  kvp::require(items != nullptr || s.num_items == 0, "items", "is a null pointer");
+  const int cols = per_head_item_columns(s);
+  std::vector<kvp::per_head_item> out(static_cast<std::size_t>(s.num_items));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::int64_t* r = items + i * static_cast<std::size_t>(cols);
+    kvp::require(r[0] >= INT32_MIN && r[0] <= INT32_MAX, kvp::detail::path("items[{}][0] (seq)", i),
+                 "is {}; must fit int32", r[0]);
+    kvp::require(r[2] >= INT32_MIN && r[2] <= INT32_MAX, kvp::detail::path("items[{}][2] (logical_length)", i),
+                 "is {}; must fit int32", r[2]);
+    out[i].seq = static_cast<std::int32_t>(r[0]);
+    out[i].blocks_to_free = r[1];
+    out[i].per_layer = s.per_layer_budget ? r + 3 : nullptr;
+    out[i].logical_length = static_cast<std::int32_t>(r[2]);
+  }
+  return out;
+}
+
+inline void require_per_head_out(const kvp_capi_per_head_out* out) {
+  kvp::require(out != nullptr, "out", "is a null pointer");
+  kvp::require(out->status && out->new_lengths && out->freed_counts && out->freed_blocks, "out",
+               "needs status, new_lengths, freed_counts and freed_blocks (a null pointer was given)");
+}
+
+// The CUDA library's workspace: the converted items, then the executor's workspace.
+struct per_head_ws_layout {
+  std::size_t items = 0, executor = 0;
+};
+inline per_head_ws_layout per_head_layout_of(const kvp_capi_per_head_shape& s) {
+  per_head_ws_layout w;
+  w.items = 0;
+  w.executor = round_up(std::size_t(s.num_items > 0 ? s.num_items : 0) * sizeof(kvp::per_head_item));
+  return w;
 }
 
 // Calls fn(preset) with the policy the shape names.

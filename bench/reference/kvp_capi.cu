@@ -1,4 +1,5 @@
-// libkvp_capi.so: the C API of kvp_capi.h over kvp::cuda_executor.
+// libkvp_capi.so: the C API of kvp_capi.h over kvp::cuda_executor (and its per-head
+// entry points over kvp::cuda_per_head_executor).
 //
 // Raw device pointers in, nothing allocated, nothing synchronised: kvp_capi_compress
 // enqueues one compression on the given stream (after the items' widening for the
@@ -11,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "kvpolicy/exec/cuda_executor.cuh"
+#include "kvpolicy/exec/cuda_per_head_executor.cuh"
 
 namespace {
 
@@ -72,6 +74,69 @@ int compress_on(const kvp_capi_shape* s, void* kv_cache, const void* queries, fl
     return cuda_code(ex.compress(at<std::byte>(workspace, w.executor), exec_bytes, p, v.cache, v.queries, v.scores,
                                  batch_of(*s, dev_items), result_in(workspace, w, keep_masks, final_scores)));
   });
+}
+
+// ---- KV-Compress over a per-head cache (kvp::cuda_per_head_executor) ----
+
+// The caller's int64 items (device memory) as kvp::per_head_item: per_layer points
+// into the caller's array (columns 3 ..) with a per-layer budget. A seq or
+// logical_length outside int32 makes the item's seq -1, which validation refuses.
+__global__ void per_head_items_kernel(const std::int64_t* in, kvp::per_head_item* out, std::int32_t n,
+                                      std::int32_t cols, bool per_layer) {
+  for (std::int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const std::int64_t* r = in + std::int64_t{i} * cols;
+    const std::int64_t seq = r[0], logical = r[2];
+    const bool fits = seq >= INT32_MIN && seq <= INT32_MAX && logical >= INT32_MIN && logical <= INT32_MAX;
+    kvp::per_head_item it;
+    it.seq = fits ? static_cast<std::int32_t>(seq) : -1;
+    it.blocks_to_free = r[1];
+    it.per_layer = per_layer ? r + 3 : nullptr;
+    it.logical_length = fits ? static_cast<std::int32_t>(logical) : -1;
+    out[i] = it;
+  }
+}
+
+kvp::device_per_head_result per_head_result_of(const kvp_capi_per_head_out& o) {
+  kvp::device_per_head_result r;
+  r.status = o.status;
+  r.new_lengths = o.new_lengths;
+  r.freed_counts = o.freed_counts;
+  r.freed_blocks = o.freed_blocks;
+  r.evicted = o.evicted;
+  r.moved = o.moved;
+  r.freed = o.freed;
+  r.nonfinite = o.nonfinite;
+  return r;
+}
+
+// One per-head compression on `stream`; stage_marks (3 events, the executor's) optional.
+int compress_per_head_on(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache, float* metric,
+                         std::int32_t* positions, const std::int32_t* tables, const std::int32_t* lengths,
+                         const std::int64_t* items, void* workspace, std::size_t workspace_bytes,
+                         const kvp_capi_per_head_out* out, cudaStream_t stream, cudaEvent_t* stage_marks) {
+  kvp::require(s != nullptr, "shape", "is a null pointer");
+  require_per_head_out(out);
+  const kvp::select::head_adaptive_blocks sel = per_head_selector(*s);
+  const kvp::per_head_kv_view view = make_per_head_view(*s, k_cache, v_cache, metric, positions, tables, lengths);
+  const per_head_ws_layout w = per_head_layout_of(*s);
+  kvp::require(s->num_items == 0 || items != nullptr, "items", "is a null pointer");
+  kvp::require(workspace != nullptr, "workspace", "is a null pointer");
+  kvp::require(workspace_bytes >= w.executor, "workspace_bytes", "is {}; kvp_capi_per_head_workspace_size says more",
+               workspace_bytes);
+  auto* dev_items = s->num_items > 0 ? at<kvp::per_head_item>(workspace, w.items) : nullptr;
+  if (s->num_items > 0) {
+    const int grid = (s->num_items + 255) / 256;
+    per_head_items_kernel<<<grid < 1024 ? grid : 1024, 256, 0, stream>>>(items, dev_items, s->num_items,
+                                                                         per_head_item_columns(*s),
+                                                                         s->per_layer_budget != 0);
+    if (const int rc = cuda_code(cudaGetLastError()); rc != KVP_CAPI_OK) return rc;
+  }
+  kvp::cuda_per_head_executor ex;
+  ex.stream = stream;
+  ex.stage_marks = stage_marks;
+  std::size_t exec_bytes = workspace_bytes - w.executor;
+  return cuda_code(ex.compress(at<std::byte>(workspace, w.executor), exec_bytes, sel, view,
+                               kvp::device_per_head_batch{dev_items, s->num_items}, per_head_result_of(*out)));
 }
 
 }  // namespace
@@ -165,6 +230,85 @@ int kvp_capi_new_lengths(const kvp_capi_shape* s, const void* workspace, std::in
         e != cudaSuccess)
       return cuda_code(e);
     return cuda_code(cudaStreamSynchronize(st));
+  });
+}
+
+int kvp_capi_per_head_shape_size(void) { return static_cast<int>(sizeof(kvp_capi_per_head_shape)); }
+
+int kvp_capi_per_head_workspace_size(const kvp_capi_per_head_shape* s, std::size_t* bytes) {
+  return guarded([&]() -> int {
+    kvp::require(s != nullptr && bytes != nullptr, "kvp_capi_per_head_workspace_size", "null argument");
+    auto* d = dummy();
+    auto* di = static_cast<std::int32_t*>(d);
+    const kvp::select::head_adaptive_blocks sel = per_head_selector(*s);
+    const kvp::per_head_kv_view view = make_per_head_view(*s, d, d, static_cast<float*>(d), di, di, di);
+    const per_head_ws_layout w = per_head_layout_of(*s);
+    const kvp_capi_per_head_out o{di, di, di, di, nullptr, nullptr, nullptr, nullptr};
+    std::size_t exec_bytes = 0;
+    const cudaError_t e = kvp::cuda_per_head_executor{}.compress(
+        nullptr, exec_bytes, sel, view,
+        kvp::device_per_head_batch{static_cast<const kvp::per_head_item*>(d), s->num_items}, per_head_result_of(o));
+    *bytes = w.executor + round_up(exec_bytes);
+    return cuda_code(e);
+  });
+}
+
+int kvp_capi_compress_per_head(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache, float* metric,
+                               std::int32_t* positions, const std::int32_t* tables, const std::int32_t* lengths,
+                               const std::int64_t* items, void* workspace, std::size_t workspace_bytes,
+                               const kvp_capi_per_head_out* out, std::uintptr_t stream) {
+  return guarded([&]() -> int {
+    return compress_per_head_on(s, k_cache, v_cache, metric, positions, tables, lengths, items, workspace,
+                                workspace_bytes, out, reinterpret_cast<cudaStream_t>(stream), nullptr);
+  });
+}
+
+int kvp_capi_compress_per_head_staged(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache, float* metric,
+                                      std::int32_t* positions, const std::int32_t* tables,
+                                      const std::int32_t* lengths, const std::int64_t* items, void* workspace,
+                                      std::size_t workspace_bytes, const kvp_capi_per_head_out* out,
+                                      float* stage_ms, std::uintptr_t stream) {
+  return guarded([&]() -> int {
+    kvp::require(stage_ms != nullptr, "stage_ms", "is a null pointer");
+    // events[0]: before the items' conversion; events[1..3]: the executor's three marks.
+    cudaEvent_t events[4] = {};
+    int rc = KVP_CAPI_OK;
+    for (auto& e : events)
+      if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventCreate(&e));
+    const auto st = reinterpret_cast<cudaStream_t>(stream);
+    if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventRecord(events[0], st));
+    if (rc == KVP_CAPI_OK) {
+      try {
+        rc = compress_per_head_on(s, k_cache, v_cache, metric, positions, tables, lengths, items, workspace,
+                                  workspace_bytes, out, st, events + 1);
+      } catch (...) {
+        for (auto e : events)
+          if (e) cudaEventDestroy(e);
+        throw;
+      }
+    }
+    if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventSynchronize(events[3]));
+    if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventElapsedTime(&stage_ms[0], events[1], events[2]));
+    if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventElapsedTime(&stage_ms[1], events[2], events[3]));
+    if (rc == KVP_CAPI_OK) rc = cuda_code(cudaEventElapsedTime(&stage_ms[2], events[0], events[3]));
+    for (auto e : events)
+      if (e) cudaEventDestroy(e);
+    return rc;
+  });
+}
+
+int kvp_capi_per_head_status(const std::int32_t* status, std::int32_t* host_words, std::uintptr_t stream) {
+  return guarded([&]() -> int {
+    kvp::require(status != nullptr, "status", "is a null pointer");
+    std::int32_t words[kvp::status_words] = {};
+    const auto st = reinterpret_cast<cudaStream_t>(stream);
+    if (auto e = cudaMemcpyAsync(words, status, sizeof words, cudaMemcpyDeviceToHost, st); e != cudaSuccess)
+      return cuda_code(e);
+    if (auto e = cudaStreamSynchronize(st); e != cudaSuccess) return cuda_code(e);
+    if (host_words)
+      for (int i = 0; i < kvp::status_words; ++i) host_words[i] = words[i];
+    kvp::throw_if_error(words);  // the kvp::error a failed device validation stands for
+    return KVP_CAPI_OK;
   });
 }
 

@@ -1,5 +1,5 @@
 /* kvp_capi: a C face of kvpolicy's executors, for ctypes (zipage_reference.py, hard_kv_reference.py,
- * kara_reference.py).
+ * kara_reference.py; kv_compress_reference.py for the per-head entry points at the end).
  *
  * Two libraries export it:
  *   libkvp_capi.so       (kvp_capi.cu)       kvp::cuda_executor, device pointers, asynchronous on a stream
@@ -103,6 +103,112 @@ KVP_CAPI_EXPORT int kvp_capi_status(const kvp_capi_shape* s, const void* workspa
 /* Copies the new lengths (int32 [num_items]) to host memory, synchronising `stream`. */
 KVP_CAPI_EXPORT int kvp_capi_new_lengths(const kvp_capi_shape* s, const void* workspace, int32_t* host_out,
                                          uintptr_t stream);
+
+/* ------------------------------------------------------------------------------------
+ * KV-Compress over a per-head block cache (issue 31; kv_compress_reference.py).
+ *
+ * The CUDA library maps it onto kvp::cuda_per_head_executor, the host library onto
+ * kvp::host::compress_per_head, with kvp::select::head_adaptive_blocks{protected_window,
+ * sinks, sequence or layer budget} as the schedule and MoveCache as the moves.
+ *
+ * Layouts (KV-Compress's unified cache, one pool shared by every layer and KV head:
+ * a block id names one block, of one (layer, seq, KV head), in every layer):
+ *   k_cache, v_cache  [num_blocks, block_size, head_dim], dtype
+ *   metric            [num_blocks, block_size] fp32, moved with its token (required)
+ *   positions         [num_blocks, block_size] int32, each slot's original position,
+ *                     moved with its token; NULL: slot t of a head is position t
+ *   tables            int32 [num_layers, num_seqs, num_kv_heads, max_blocks]; only the
+ *                     first ceil(length / block_size) entries of a row are read
+ *   lengths           int32 [num_layers, num_seqs, num_kv_heads]
+ *   items             int64 [num_items, 3] = (seq, blocks_to_free, logical_length), or
+ *                     with per_layer_budget int64 [num_items, 3 + num_layers] = (seq,
+ *                     unused, logical_length, blocks to free in layer 0, 1, ...): the
+ *                     columns of kvp::per_head_item. logical_length: the sequence's
+ *                     position count (protected: positions >= logical_length -
+ *                     protected_window, and positions < sinks); -1: each head's own
+ *                     length, allowed only without positions. seq and logical_length
+ *                     must fit int32 (the host library refuses others; the CUDA library
+ *                     turns such an item's seq into -1, which its validation refuses).
+ * Neither library writes tables or lengths: the caller applies the new lengths and
+ * frees the blocks listed.
+ *
+ * Results go to caller-provided arrays (struct kvp_capi_per_head_out, device memory for
+ * the CUDA library, host memory for the host one). Rows are (item, layer, KV head),
+ * row = (item x num_layers + layer) x num_kv_heads + head. Entries of freed_blocks past
+ * a row's freed_counts are unspecified. The workspace holds the items converted to
+ * kvp::per_head_item (CUDA: one small kernel on the stream ahead of the executor, no
+ * host synchronisation) and the executor's own workspace; the host library needs none
+ * (kvp_capi_per_head_workspace_size gives 0).
+ *
+ * Status: the CUDA library's malformed device data (lengths, block ids, items,
+ * positions) is caught by the executor's validation before any byte moves, and read
+ * back by kvp_capi_per_head_status. The host library checks everything before a byte
+ * moves and returns KVP_CAPI_EINVAL with the message; its status words stay 0.
+ * ------------------------------------------------------------------------------------ */
+
+/* Must match `class PerHeadShape(ctypes.Structure)` in kv_compress_reference.py. */
+typedef struct kvp_capi_per_head_shape {
+  int32_t num_layers, num_blocks, block_size, num_kv_heads, head_dim;
+  int32_t num_seqs, max_blocks; /* tables [num_layers, num_seqs, num_kv_heads, max_blocks] */
+  int32_t num_items;            /* rows of items */
+  int32_t dtype;                /* 0 f16, 1 bf16, 2 f32 (kvp::dtype) */
+  int32_t protected_window;     /* last positions never evicted (KV-Compress: 64) */
+  int32_t sinks;                /* first positions never evicted (0) */
+  int32_t per_layer_budget;     /* 0: one count per item over all its layers and heads
+                                   (KV-Compress); 1: one count per layer (items carry
+                                   3 + num_layers columns) */
+} kvp_capi_per_head_shape;
+
+/* Where the results go. status, new_lengths, freed_counts and freed_blocks are required;
+ * the rest may be NULL. Must match `class PerHeadOut(ctypes.Structure)`. */
+typedef struct kvp_capi_per_head_out {
+  int32_t* status;       /* [8] (kvp::status_words): 0 in status[0] means success */
+  int32_t* new_lengths;  /* [num_items, num_layers, num_kv_heads]: tokens each head holds after */
+  int32_t* freed_counts; /* [num_items, num_layers, num_kv_heads]: blocks each head gives up */
+  int32_t* freed_blocks; /* [num_items, num_layers, num_kv_heads, max_blocks]: their ids, in table
+                            order (the row's last blocks, past ceil(new length / block_size)) */
+  int32_t* evicted;      /* optional [num_items, num_layers, num_kv_heads]: tokens each head evicts */
+  int32_t* moved;        /* optional [num_items, num_layers, num_kv_heads]: tokens each head copied
+                            (MoveCache's moves: kept tokens at or past the new length) */
+  int64_t* freed;        /* optional [num_items]: blocks freed in all */
+  int64_t* nonfinite;    /* optional [num_items]: NaN or infinite metrics, protected ones included */
+} kvp_capi_per_head_out;
+
+KVP_CAPI_EXPORT int kvp_capi_per_head_shape_size(void);
+
+/* Workspace bytes kvp_capi_compress_per_head needs for this shape (host library: 0). */
+KVP_CAPI_EXPORT int kvp_capi_per_head_workspace_size(const kvp_capi_per_head_shape* s, size_t* bytes);
+
+/* One compression, in place: the schedule of every item, then MoveCache on every head
+ * that evicts (K, V, the metric and the positions of each surviving tail token copied
+ * into the lowest evicted slot); results into *out. `stream`: a cudaStream_t as an
+ * integer (0: the legacy default stream); CUDA: enqueued, nothing synchronised. */
+KVP_CAPI_EXPORT int kvp_capi_compress_per_head(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache,
+                                               float* metric, int32_t* positions, const int32_t* tables,
+                                               const int32_t* lengths, const int64_t* items, void* workspace,
+                                               size_t workspace_bytes, const kvp_capi_per_head_out* out,
+                                               uintptr_t stream);
+
+/* kvp_capi_compress_per_head with stage marks, then a synchronisation of `stream`:
+ * stage_ms (host, [3]) gets
+ *   [0] the schedule: the executor's validation, histograms and group selects
+ *       (cuda_per_head_executor::stage_marks 0 -> 1),
+ *   [1] the moves: each head's evicted tokens and MoveCache (marks 1 -> 2),
+ *   [2] the whole call, from an event recorded before the items' conversion to the last mark.
+ * The marks keep the stages from overlapping, so [2] is a little above
+ * kvp_capi_compress_per_head's time. Host library: host::compress_per_head does not split
+ * its stages: [0] and [2] are the whole call's wall time, [1] is 0. */
+KVP_CAPI_EXPORT int kvp_capi_compress_per_head_staged(const kvp_capi_per_head_shape* s, void* k_cache,
+                                                      void* v_cache, float* metric, int32_t* positions,
+                                                      const int32_t* tables, const int32_t* lengths,
+                                                      const int64_t* items, void* workspace, size_t workspace_bytes,
+                                                      const kvp_capi_per_head_out* out, float* stage_ms,
+                                                      uintptr_t stream);
+
+/* Synchronises `stream`, copies the 8 status words at `status` (out->status of a
+ * compression) to host_words (may be NULL); returns KVP_CAPI_EINVAL with the message
+ * when the compression was rejected on the device. */
+KVP_CAPI_EXPORT int kvp_capi_per_head_status(const int32_t* status, int32_t* host_words, uintptr_t stream);
 
 KVP_CAPI_EXPORT const char* kvp_capi_last_error(void);
 

@@ -1,10 +1,12 @@
 // libkvp_capi_host.so: the C API of kvp_capi.h over kvp::host_executor, on host
 // pointers, synchronous (the stream argument is ignored). It lets the references'
-// --device cpu (zipage_reference.py, hard_kv_reference.py, kara_reference.py) check
-// the PyTorch code against the library's semantics on a machine without a GPU.
+// --device cpu (zipage_reference.py, hard_kv_reference.py, kara_reference.py,
+// kv_compress_reference.py) check the PyTorch code against the library's semantics on a
+// machine without a GPU. The per-head entry points run kvp::host::compress_per_head.
 #include "capi_common.hpp"  // first: kvpolicy's error.hpp sets FMT_USE_CONSTEXPR before fmt is seen
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -51,6 +53,36 @@ kvp::stage_times compress_host(const kvp_capi_shape* s, void* kv_cache, const vo
     }
   }
   return r.times;
+}
+
+// KV-Compress on the host: host::compress_per_head, its per_head_result spread into
+// the caller's arrays (kvp_capi.h). Returns the wall time of the call in ms.
+double compress_per_head_host(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache, float* metric,
+                              std::int32_t* positions, const std::int32_t* tables, const std::int32_t* lengths,
+                              const std::int64_t* items, const kvp_capi_per_head_out* out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  kvp::require(s != nullptr, "shape", "is a null pointer");
+  require_per_head_out(out);
+  std::fill_n(out->status, kvp::status_words, 0);
+  const kvp::select::head_adaptive_blocks sel = per_head_selector(*s);
+  const kvp::per_head_kv_view view = make_per_head_view(*s, k_cache, v_cache, metric, positions, tables, lengths);
+  const std::vector<kvp::per_head_item> batch = host_per_head_items(*s, items);
+  const kvp::per_head_result r = kvp::host::compress_per_head(sel, view, batch);
+  const std::size_t rows = std::size_t(s->num_layers) * s->num_kv_heads;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    for (std::size_t row = 0; row < rows; ++row) {
+      const std::size_t at_row = i * rows + row;
+      const std::vector<std::int32_t>& ids = r.freed_blocks[i][row];
+      out->new_lengths[at_row] = r.new_lengths[i][row];
+      out->freed_counts[at_row] = static_cast<std::int32_t>(ids.size());
+      std::copy(ids.begin(), ids.end(), out->freed_blocks + at_row * std::size_t(s->max_blocks));
+      if (out->evicted) out->evicted[at_row] = r.evicted[i][row];
+      if (out->moved) out->moved[at_row] = r.moved[i][row];
+    }
+    if (out->freed) out->freed[i] = r.freed[i];
+    if (out->nonfinite) out->nonfinite[i] = r.nonfinite[i];
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
@@ -106,6 +138,51 @@ int kvp_capi_new_lengths(const kvp_capi_shape* s, const void* workspace, std::in
     kvp::require(s != nullptr && workspace != nullptr && host_out != nullptr, "kvp_capi_new_lengths",
                  "null argument");
     std::copy_n(at<std::int32_t>(workspace, layout_of(*s).new_lengths), s->num_items, host_out);
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_per_head_shape_size(void) { return static_cast<int>(sizeof(kvp_capi_per_head_shape)); }
+
+int kvp_capi_per_head_workspace_size(const kvp_capi_per_head_shape* s, std::size_t* bytes) {
+  return guarded([&]() -> int {
+    kvp::require(s != nullptr && bytes != nullptr, "kvp_capi_per_head_workspace_size", "null argument");
+    *bytes = 0;  // host::compress_per_head allocates its own scratch
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_compress_per_head(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache, float* metric,
+                               std::int32_t* positions, const std::int32_t* tables, const std::int32_t* lengths,
+                               const std::int64_t* items, void* /*workspace*/, std::size_t /*workspace_bytes*/,
+                               const kvp_capi_per_head_out* out, std::uintptr_t /*stream*/) {
+  return guarded([&]() -> int {
+    compress_per_head_host(s, k_cache, v_cache, metric, positions, tables, lengths, items, out);
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_compress_per_head_staged(const kvp_capi_per_head_shape* s, void* k_cache, void* v_cache, float* metric,
+                                      std::int32_t* positions, const std::int32_t* tables,
+                                      const std::int32_t* lengths, const std::int64_t* items, void* /*workspace*/,
+                                      std::size_t /*workspace_bytes*/, const kvp_capi_per_head_out* out,
+                                      float* stage_ms, std::uintptr_t /*stream*/) {
+  return guarded([&]() -> int {
+    kvp::require(stage_ms != nullptr, "stage_ms", "is a null pointer");
+    const double ms = compress_per_head_host(s, k_cache, v_cache, metric, positions, tables, lengths, items, out);
+    // host::compress_per_head does not split its stages (kvp_capi.h).
+    stage_ms[0] = static_cast<float>(ms);
+    stage_ms[1] = 0.0f;
+    stage_ms[2] = static_cast<float>(ms);
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_per_head_status(const std::int32_t* status, std::int32_t* host_words, std::uintptr_t) {
+  return guarded([&]() -> int {
+    kvp::require(status != nullptr, "status", "is a null pointer");
+    if (host_words) std::copy_n(status, kvp::status_words, host_words);
+    kvp::throw_if_error(status);
     return KVP_CAPI_OK;
   });
 }
