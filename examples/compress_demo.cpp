@@ -27,6 +27,12 @@
 // Token2Chunk chose (anchors, chunk interiors, fill) from the executor's final
 // scores, as Kara's figure 7 does, and checks that against the executor's keep mask.
 //
+// `--preset kv_compress` runs KV-Compress over a per-head block cache instead
+// (kv_compress_demo.hpp): ragged per-head lengths, the preset's prefill metric, one
+// compression by host::compress_per_head (or kvp::cuda_per_head_executor with
+// `--device cuda|both`, kv_compress_demo_gpu.cuh), per (layer, KV head) lengths before
+// and after, the blocks freed per sequence, and the per-head invariants checked.
+//
 // One source, two builds. Compiled as C++ (this file) the demo has the host executor
 // only. Compiled as CUDA (compress_demo.cu includes this file; examples/CMakeLists.txt
 // builds kvpolicy_demo from it when CUDA is enabled) it also has `--device cuda`,
@@ -41,11 +47,11 @@
 // and compares their keep masks, lengths, released blocks and K/V bytes; the demo
 // goes on with the GPU's result.
 //
-//   kvpolicy_demo [--preset zipage|rkv|gkv|snapkv|h2o|streaming_llm|hard_kv|hard_kv_rkv|kara]
+//   kvpolicy_demo [--preset zipage|rkv|gkv|snapkv|h2o|streaming_llm|hard_kv|hard_kv_rkv|kara|kv_compress]
 //                 [--device cuda|host|both] [--layout nano_vllm|vllm_flash] [--dtype bf16|f16|f32]
 //                 [--seqs N] [--layers N] [--kv-heads N] [--q-heads N] [--head-dim N]
 //                 [--block-size N] [--n-max N] [--rounds N] [--append N] [--seed N]
-//                 [--window N] [--buffer N] [--keep N] [--show-mask]
+//                 [--window N] [--buffer N] [--keep N] [--cache-tokens N] [--rate R] [--show-mask]
 //
 // fmt under nvcc: every format string here is checked at run time (str() and say()
 // below), never at compile time, and <fmt/...> comes after the kvpolicy headers.
@@ -57,6 +63,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -128,6 +135,10 @@ struct options {
   // whose host scorer costs |W| G (|W| - |U|) d per row and would make the demo slow.
   i32 window = 96, buffer = 8, keep = 28;
   bool kara_sizes_given = false;
+  // kv_compress's budget: tokens per (layer, KV head) (the paper's C = 128), or a rate.
+  i32 cache_tokens = 128;
+  double rate = 1.0;
+  bool cache_tokens_given = false, rate_given = false;
 };
 
 struct usage_error : std::runtime_error {
@@ -137,7 +148,8 @@ struct usage_error : std::runtime_error {
 constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
   --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm,
                     hard_kv, hard_kv_rkv (per-head counts: one round, the counts printed),
-                    kara (a window of each sequence; Token2Chunk drawn per round)
+                    kara (a window of each sequence; Token2Chunk drawn per round),
+                    kv_compress (a per-head block cache, one compression; per-head lengths)
   --device NAME     cuda: the CUDA executor (the default when the demo is built with
                     CUDA and a GPU is present); host: the host executor (the default
                     otherwise); both: host and cuda on identical copies of the cache,
@@ -158,10 +170,23 @@ constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
                     setting is --window 768 --buffer 32 --keep 225 --block-size 256.
                     kara takes neither --n-max nor --append: each later round
                     appends what makes a new window of uncompressed tokens
+  --cache-tokens N  kv_compress: tokens per (layer, KV head) each sequence keeps on
+                    average (max_cache_tokens, 128)
+  --rate R          kv_compress: instead, the fraction of the positions past the
+                    protected window kept (compression_rate, in (0, 1]; 0.125 is 8x)
   --show-mask       print the keep map of sequence 0, layer 0, KV head 0
 GPU stage times are CUDA events around the kernels (copies to and from the GPU
 excluded), from a second run on the same input (the first loads the kernels).
 )";
+
+double parse_rate(std::string_view flag, std::string_view s) {
+  const std::string text(s);
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || !(v > 0.0 && v <= 1.0))
+    throw usage_error(str("{}: '{}' is not a number in (0, 1]", flag, s));
+  return v;
+}
 
 i32 parse_int(std::string_view flag, std::string_view s, i32 lo) {
   i32 v = 0;
@@ -234,6 +259,12 @@ options parse(int argc, char** argv) {
     } else if (flag == "--keep") {
       o.keep = parse_int(flag, value, 1);
       o.kara_sizes_given = true;
+    } else if (flag == "--cache-tokens") {
+      o.cache_tokens = parse_int(flag, value, 0);
+      o.cache_tokens_given = true;
+    } else if (flag == "--rate") {
+      o.rate = parse_rate(flag, value);
+      o.rate_given = true;
     } else if (flag == "--seed") {
       o.seed = static_cast<std::uint64_t>(parse_int(flag, value, 0));
     } else {
@@ -263,6 +294,8 @@ any_preset make_preset(const options& o) {
     return k;
   }
   if (o.kara_sizes_given) throw usage_error(str("--window, --buffer and --keep are kara's; the preset is {}", name));
+  if (o.cache_tokens_given || o.rate_given)
+    throw usage_error(str("--cache-tokens and --rate are kv_compress's; the preset is {}", name));
   if (name == "zipage") return kvp::presets::zipage{};
   if (name == "rkv") return kvp::presets::rkv{};
   if (name == "gkv") return kvp::presets::gkv{};
@@ -1106,23 +1139,39 @@ long verify_moves(const demo_cache& c, i32 seq, i32 T, std::span<const std::byte
   return bad;
 }
 
-int run(options o) {
-  const auto wall0 = std::chrono::steady_clock::now();
-  const any_preset preset = make_preset(o);
-  if (o.q_heads % o.kv_heads != 0)
-    throw usage_error(str("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
-
-  // The device: cuda by default when this build has CUDA and there is a GPU.
-  gpu_info gpu;
+// The device: cuda by default when this build has CUDA and there is a GPU.
+device choose_device(options& o, gpu_info& gpu, std::string& dev_note) {
   if (o.dev != device::host) gpu = probe_gpu();
-  std::string dev_note;
   if (!o.dev) {
     o.dev = gpu.count > 0 ? device::cuda : device::host;
     dev_note = gpu.count > 0 ? std::string(" (default)") : str(" (default; {})", gpu.why);
   } else if (*o.dev != device::host && gpu.count == 0) {
     throw std::runtime_error(str("--device {}: {}", name_of(*o.dev), gpu.error));
   }
-  const device dev = *o.dev;
+  return *o.dev;
+}
+
+}  // namespace
+
+#include "kv_compress_demo.hpp"
+
+namespace {
+
+int run(options o) {
+  const auto wall0 = std::chrono::steady_clock::now();
+  if (o.q_heads % o.kv_heads != 0)
+    throw usage_error(str("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
+  if (o.preset == "kv_compress") {
+    gpu_info gpu;
+    std::string dev_note;
+    const device dev = choose_device(o, gpu, dev_note);
+    return run_kv_compress(o, dev, gpu, dev_note);
+  }
+  const any_preset preset = make_preset(o);
+
+  gpu_info gpu;
+  std::string dev_note;
+  const device dev = choose_device(o, gpu, dev_note);
 
   // Per-head counts leave each head's slots past its own count unused; a later round
   // would need the engine's per-head valid state, which this demo does not keep.
