@@ -19,6 +19,17 @@ static_assert(row_threads == 256, "the radix select gives each of the 256 digits
 using digit_scan = cub::BlockScan<std::int32_t, row_threads>;
 using mass_scan = cub::BlockScan<float, row_threads>;
 
+// Adds each lane's digit to a shared histogram, one atomic per distinct digit of the
+// warp: keys of a row crowd a few digits in the high passes (a float's exponent), and
+// same-address shared atomics serialise. Every lane of the warp must call it (full
+// mask); a lane with nothing to add passes no_digit.
+inline constexpr std::uint32_t no_digit = 256;
+__device__ inline void count_digit(std::uint32_t* hist, std::uint32_t digit) {
+  const unsigned peers = __match_any_sync(0xffffffffu, digit);
+  if (digit != no_digit && (threadIdx.x & 31u) == static_cast<unsigned>(__ffs(static_cast<int>(peers)) - 1))
+    atomicAdd(hist + digit, static_cast<std::uint32_t>(__popc(peers)));
+}
+
 struct radix_select_storage {
   typename digit_scan::TempStorage scan;
   std::uint32_t hist[256];
@@ -42,9 +53,15 @@ __device__ std::uint64_t block_kth_largest(KeyOf key_of, std::int32_t n, std::in
     __syncthreads();
     const std::uint64_t prefix = sh.prefix;
     const std::int32_t remaining = sh.remaining;
-    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
-      const std::uint64_t key = key_of(t);
-      if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xffu], 1u);
+    // Whole warps walk the keys, so each digit is added once per warp (count_digit).
+    for (std::int32_t t0 = 0; t0 < n; t0 += static_cast<std::int32_t>(blockDim.x)) {
+      const std::int32_t t = t0 + static_cast<std::int32_t>(threadIdx.x);
+      std::uint32_t digit = no_digit;
+      if (t < n) {
+        const std::uint64_t key = key_of(t);
+        if ((key & mask) == prefix) digit = static_cast<std::uint32_t>(key >> shift) & 0xffu;
+      }
+      count_digit(sh.hist, digit);
     }
     __syncthreads();
     // Thread i holds digit 255 - i; counts from the top digit down, the selected digit
