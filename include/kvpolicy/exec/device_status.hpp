@@ -33,6 +33,15 @@ enum class status_code : std::int32_t {
   prefix_block_written,      // a = seq, b = logical block, c = block id (another item's shared prefix)
   window_begin_invalid,      // a = window_begin, b = seq, c = length, d = block size
   window_without_layout,     // a = window_begin (a layout that is not window-only)
+  // Per-head block caches (cuda_per_head_executor). Table entries: a = layer, b = seq, c = head.
+  head_length_out_of_range,      // d = length, e = capacity in tokens
+  head_block_out_of_range,       // d = logical block, e = block id, f = num_blocks
+  head_block_repeated,           // d = logical block, e = block id; item = the holder's seq,
+                                 // f = its layer x 65536 + its head
+  blocks_to_free_negative,       // a = count (low 32 bits), b = high 32 bits, c = layer (-1: the item's count)
+  per_layer_missing,             // a = layers (a per-layer budget with a null per_layer)
+  logical_length_missing,        // a = logical_length (positions given, no position count)
+  position_out_of_range,         // a = layer, b = head, c = token, d = position, e = logical length
 };
 
 // Words: [code, item, a, b, c, d, e, f]. The first error found wins (atomicCAS on code).
@@ -45,6 +54,7 @@ inline void throw_if_error(const std::int32_t* w) {
   const std::int32_t i = w[1], a = w[2], b = w[3], c = w[4], d = w[5], e = w[6], f = w[7];
   auto item = [&](const char* field) { return detail::format("batch[{}].{}", i, field); };
   auto entry = [&] { return detail::format("cache.table[seq {}][{}]", a, b); };
+  auto head_entry = [&] { return detail::format("cache.table[layer {}][seq {}][head {}][{}]", a, b, c, d); };
   switch (code) {
     case status_code::ok: return;
     case status_code::seq_out_of_range: throw error(item("seq"), detail::format("is {}; out of the cache's sequences", a));
@@ -105,6 +115,31 @@ inline void throw_if_error(const std::int32_t* w) {
     case status_code::window_without_layout:
       throw error(item("window_begin"),
                   detail::format("is {}; only a window-only layout (layout::window_compact) compresses a window", a));
+    case status_code::head_length_out_of_range:
+      throw error(detail::format("cache.lengths[layer {}][seq {}][head {}]", a, b, c),
+                  detail::format("is {}; the block table holds room for {} tokens", d, e));
+    case status_code::head_block_out_of_range:
+      throw error(head_entry(), detail::format("is block id {}; valid ids are [0, {})", e, f));
+    case status_code::head_block_repeated:
+      throw error(head_entry(), detail::format("is block id {}, already held by layer {} seq {} head {}; a block holds "
+                                               "one head of one layer",
+                                               e, f / 65536, i, f % 65536));
+    case status_code::blocks_to_free_negative: {
+      const std::int64_t count = static_cast<std::int64_t>(static_cast<std::uint64_t>(static_cast<std::uint32_t>(b))
+                                                           << 32 | static_cast<std::uint32_t>(a));
+      throw error(c < 0 ? item("blocks_to_free") : detail::format("batch[{}].per_layer[{}]", i, c),
+                  detail::format("is {}; must not be negative", count));
+    }
+    case status_code::per_layer_missing:
+      throw error(item("per_layer"), detail::format("is a null pointer; a per-layer budget needs {} counts", a));
+    case status_code::logical_length_missing:
+      throw error(item("logical_length"),
+                  detail::format("is {}; with cache.positions the protected window is read off positions, which "
+                                 "needs the sequence's position count",
+                                 a));
+    case status_code::position_out_of_range:
+      throw error(detail::format("cache.positions (batch[{}], layer {}, head {}, token {})", i, a, b, c),
+                  detail::format("is {}; positions lie in [0, {})", d, e));
   }
   throw error("status", detail::format("unknown device status code {}", w[0]));
 }

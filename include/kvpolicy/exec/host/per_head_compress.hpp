@@ -32,6 +32,7 @@ struct per_head_result {
   std::vector<std::vector<std::int32_t>> new_lengths;               // [item][layer * h_kv + head]
   std::vector<std::vector<std::vector<std::int32_t>>> freed_blocks;  // [item][layer * h_kv + head]: physical ids
   std::vector<std::vector<std::int32_t>> evicted;                   // [item][layer * h_kv + head]: tokens
+  std::vector<std::vector<std::int32_t>> moved;                     // [item][layer * h_kv + head]: tokens copied
   std::vector<std::int64_t> freed;                                  // [item]: blocks freed in all
   std::vector<std::int64_t> nonfinite;                              // [item]: NaN or infinite metrics
 };
@@ -92,6 +93,7 @@ inline per_head_result compress_per_head(const select::head_adaptive_blocks& sel
     auto& lengths = out.new_lengths.emplace_back();
     auto& freed = out.freed_blocks.emplace_back();
     auto& evicted = out.evicted.emplace_back();
+    auto& moved_tokens = out.moved.emplace_back();
     std::int64_t total = 0;
     for (std::int32_t l = 0; l < L; ++l)
       for (std::int32_t h = 0; h < H; ++h) {
@@ -101,6 +103,7 @@ inline per_head_result compress_per_head(const select::head_adaptive_blocks& sel
         move_cache_result moved = move_cache(c, l, it.seq, h, keep);
         lengths.push_back(moved.new_length);
         evicted.push_back(row.evicted);
+        moved_tokens.push_back(moved.moved);
         total += static_cast<std::int64_t>(moved.freed_blocks.size());
         freed.push_back(std::move(moved.freed_blocks));
       }
