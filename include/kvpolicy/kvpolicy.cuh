@@ -4,3 +4,4 @@
 #include "kvpolicy/kvpolicy.hpp"
 #include "kvpolicy/exec/cuda_executor.cuh"
 #include "kvpolicy/exec/cuda_per_head_executor.cuh"
+#include "kvpolicy/exec/cuda_per_head_metric.cuh"
