@@ -26,6 +26,8 @@
 //   e2e|stage/kara/KvLLM            Kara at a KvLLM compression event: 30 windows of 768 tokens, 32 layers
 //                                   (config_kvllm); 60 blocks freed
 //   e2e|stage/zipage/KvLLM_8k       Zipage freeing the same 60 blocks from whole sequences of 8192 tokens
+//   e2e|stage/kv_compress/B[_positions]  KV-Compress over a per-head block cache, configuration B
+//                                   (bench/per_head_rows.cuh states it and its byte model)
 //
 // Configuration A: 16 sequences, 8 layers per launch, h_kv 8, h_q 32, d 128, b 256,
 // N_max 9 (T = 2304 tokens held, the last block full), w 16, bf16, budget
@@ -593,6 +595,8 @@ void set_rate(benchmark::State& state, const std::string& prefix, double bytes, 
   state.counters[prefix + "copy_fraction"] = g_copy_gbps > 0 ? gbps / g_copy_gbps : 0.0;
 }
 
+#include "per_head_rows.cuh"
+
 // Runs pipeline `p` on configuration `s`. The manual time of an iteration is the
 // whole compression (e2e, stage) or the redundancy stage alone (redundancy); the
 // cache is restored before each iteration, outside the timed region.
@@ -790,6 +794,7 @@ void add_row(const std::string& name, const P& p, const shape& s, row_kind kind,
 void register_all() {
   // The copy roof first: every later row's copy_fraction divides by its best.
   benchmark::RegisterBenchmark("copy", BM_copy)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(20);
+  register_per_head_rows();
 
   const shape a = config_a();
   // End to end, configuration A, each preset of the family. gkv and rkv compare all
