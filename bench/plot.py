@@ -11,6 +11,9 @@ Writes (each only when its rows are present):
   redundancy_scaling.png   (c) lightning vs full redundancy, time per row vs tokens, log-log
   seqs_vs_time.png         compression time vs sequences (scale_seqs/zipage/S)
   presets_e2e.png          end-to-end time of each preset, configuration A
+  kv_compress_B.png        KV-Compress on configuration B: schedule, moves and end to end,
+                           the PyTorch reference beside kvpolicy (--kv-compress-reference,
+                           kv_compress_reference.py's JSON), with kvpolicy_bench's stage row
 Needs matplotlib (not on the GPU machine: plot where the JSON was fetched to).
 """
 
@@ -230,10 +233,50 @@ def plot_presets(plt, ctx, rows, out_dir) -> str | None:
     return path
 
 
+def plot_kv_compress(plt, ctx, rows, ref_path, out_dir) -> str | None:
+    stage = rows.get("stage/kv_compress/B")
+    if not ref_path or stage is None:
+        return None
+    with open(ref_path) as fh:
+        ref = json.load(fh)["run"]
+    parts = ["schedule", "moves", "end to end"]
+    torch_ms = [ref["reference_stage_ms"]["schedule"], ref["reference_stage_ms"]["moves"], ref["reference_ms"]]
+    kvp_ms = [ref["kvpolicy_stage_ms"]["schedule"], ref["kvpolicy_stage_ms"]["moves"], ref["kvpolicy_ms"]]
+    bench_ms = [stage["schedule_ms"], stage["moves_ms"], stage["e2e_ms"]]
+    bench_frac = [stage["schedule_copy_fraction"], stage["moves_copy_fraction"], stage["copy_fraction"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    x = range(len(parts))
+    width = 0.27
+    series = [("PyTorch reference (positions carried)", torch_ms, None),
+              ("kvpolicy, same process", kvp_ms, None),
+              ("kvpolicy_bench (no positions)", bench_ms, bench_frac)]
+    for i, (label, ms, frac) in enumerate(series):
+        bars = ax.bar([v + (i - 1) * width for v in x], ms, width, label=label)
+        for j, bar in enumerate(bars):
+            text = f"{ms[j]:.3g}" + (f"\n{frac[j]:.2f} copy" if frac else "")
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(parts)
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(torch_ms) * 6.0)  # room for the legend above the bars
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("time (ms)")
+    ax.set_title(title(ctx, f"KV-Compress, configuration B ({ref['speedup']:.1f}x end to end)"),
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    path = os.path.join(out_dir, "kv_compress_B.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", required=True, help="kvpolicy_bench --benchmark_out JSON")
     ap.add_argument("--reference", action="append", default=[], help="zipage_reference.py JSON (repeatable)")
+    ap.add_argument("--kv-compress-reference", default=None, help="kv_compress_reference.py JSON")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
 
@@ -247,7 +290,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     written = [p for p in (plot_tokens(plt, ctx, rows, refs, args.out_dir), plot_stages(plt, ctx, rows, args.out_dir),
                            plot_redundancy(plt, ctx, rows, args.out_dir), plot_seqs(plt, ctx, rows, args.out_dir),
-                           plot_presets(plt, ctx, rows, args.out_dir)) if p]
+                           plot_presets(plt, ctx, rows, args.out_dir),
+                           plot_kv_compress(plt, ctx, rows, args.kv_compress_reference, args.out_dir)) if p]
     for p in written:
         print(f"wrote {p}")
     if not written:
