@@ -539,12 +539,12 @@ struct bench_case {
         // layout::fill: the kept tokens at or past the kept count move, nothing else.
         for (std::int32_t t = 0; t < seen; ++t) kept += m[t] != 0;
         for (std::int32_t t = kept; t < seen; ++t) o.moved += m[t] != 0;
-        continue;
-      }
-      for (std::int32_t t = 0; t < seen; ++t) {
-        if (!m[t]) continue;
-        if (kept != t) ++o.moved;  // layout::compact: the i-th kept token goes to position i
-        ++kept;
+      } else {
+        for (std::int32_t t = 0; t < seen; ++t) {
+          if (!m[t]) continue;
+          if (kept != t) ++o.moved;  // layout::compact: the i-th kept token goes to position i
+          ++kept;
+        }
       }
     }
     o.released = std::accumulate(released.begin(), released.end(), std::int64_t{0});
