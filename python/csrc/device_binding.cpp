@@ -145,7 +145,8 @@ nb::ndarray<nb::array_api> device_empty(std::vector<std::size_t> shape, const st
   if (type == "int32") t = int32_type;
   else if (type == "uint8") t = nb::dtype<std::uint8_t>();
   else if (type == "float32") t = float32_type;
-  else require(false, "dtype", "is '{}'; expected int32, uint8 or float32", type);
+  else if (type == "int64") t = nb::dtype<std::int64_t>();  // compress_per_head's counts
+  else require(false, "dtype", "is '{}'; expected int32, int64, uint8 or float32", type);
   std::size_t bytes = t.bits / 8;
   for (std::size_t s : shape) bytes *= s;
   const device_scope on(device);

@@ -6,6 +6,7 @@
 #include "errors.hpp"
 #include "host_compress.hpp"
 #include "paged_cache.hpp"
+#include "per_head.hpp"
 #include "presets.hpp"
 
 NB_MODULE(_core, m) {
@@ -15,4 +16,5 @@ NB_MODULE(_core, m) {
   kvpy::register_paged_cache(m);
   kvpy::register_host_compress(m);
   kvpy::register_device(m);
+  kvpy::register_per_head(m);
 }

@@ -1,4 +1,5 @@
-// The policies the package exposes: the nine presets, as one value type. Plain C++
+// The policies the package exposes: the nine presets, as one value type (KV-Compress,
+// kvp::presets::kv_compress, runs over a per-head cache instead: csrc/per_head.cpp). Plain C++
 // (no nanobind), so the nvcc-compiled device path and the bindings share it.
 #pragma once
 
@@ -7,6 +8,7 @@
 #include <type_traits>
 #include <variant>
 
+#include <kvpolicy/pipeline/kv_compress_preset.hpp>
 #include <kvpolicy/pipeline/presets.hpp>
 
 namespace kvpy {
@@ -26,6 +28,7 @@ constexpr std::string_view preset_name() noexcept {
   else if constexpr (std::is_same_v<P, kvp::presets::hard_kv>) return "hard_kv";
   else if constexpr (std::is_same_v<P, kvp::presets::hard_kv_rkv>) return "hard_kv_rkv";
   else if constexpr (std::is_same_v<P, kvp::presets::kara>) return "kara";
+  else if constexpr (std::is_same_v<P, kvp::presets::kv_compress>) return "kv_compress";
   else return "streaming_llm";
 }
 

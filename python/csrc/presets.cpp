@@ -42,6 +42,11 @@ float to_float(nb::handle v, const char* name) {
                "is {}; expected a float", nb::repr(v).c_str());
   return static_cast<float>(PyFloat_AsDouble(v.ptr()));
 }
+double to_double(nb::handle v, const char* name) {
+  kvp::require((PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())) && !PyBool_Check(v.ptr()), name,
+               "is {}; expected a float", nb::repr(v).c_str());
+  return PyFloat_AsDouble(v.ptr());
+}
 bool to_bool(nb::handle v, const char* name) {
   kvp::require(PyBool_Check(v.ptr()), name, "is {}; expected True or False", nb::repr(v).c_str());
   return v.ptr() == Py_True;
@@ -82,6 +87,8 @@ constexpr spelling<kvp::aggregate::global_mode> global_names[] = {{"max", kvp::a
                                                                   {"mean", kvp::aggregate::global_mode::mean}};
 constexpr spelling<kvp::aggregate::pool_mode> pool_names[] = {{"max", kvp::aggregate::pool_mode::max},
                                                               {"avg", kvp::aggregate::pool_mode::avg}};
+constexpr spelling<kvp::select::block_budget> budget_names[] = {{"sequence", kvp::select::block_budget::sequence},
+                                                                 {"layer", kvp::select::block_budget::layer}};
 constexpr spelling<kvp::redundancy::combine_form> form_names[] = {
     {"weighted", kvp::redundancy::combine_form::weighted}, {"subtract", kvp::redundancy::combine_form::subtract}};
 
@@ -99,6 +106,11 @@ template <class P, class At>
 knob<P> float_knob(const char* name, const char* doc, At at) {
   return {name, doc, [at](const P& p) { return shortest(at(const_cast<P&>(p))); },
           [at, name](P& p, nb::handle v) { at(p) = to_float(v, name); }};
+}
+template <class P, class At>
+knob<P> double_knob(const char* name, const char* doc, At at) {
+  return {name, doc, [at](const P& p) { return nb::float_(at(const_cast<P&>(p))); },
+          [at, name](P& p, nb::handle v) { at(p) = to_double(v, name); }};
 }
 template <class P, class At>
 knob<P> bool_knob(const char* name, const char* doc, At at) {
@@ -186,7 +198,31 @@ template <class P>
 std::vector<knob<P>> knobs_of() {
   using namespace kvp::presets;
   std::vector<knob<P>> k;
-  if constexpr (std::is_same_v<P, kara>) {
+  if constexpr (std::is_same_v<P, kv_compress>) {
+    // Over a per-head cache (kvpolicy.compress_per_head): the selector, the budget and
+    // the metric (kvpolicy.per_head_metric).
+    k.push_back(int_knob<P>("protected_window", "the last positions of a sequence never evicted (select.protected_window)",
+                            [](P& p) -> auto& { return p.select.protected_window; }));
+    k.push_back(int_knob<P>("sinks", "the first positions never evicted (select.sinks)",
+                            [](P& p) -> auto& { return p.select.sinks; }));
+    k.push_back(enum_knob<P>("budget",
+                             "'sequence': one block count over all layers and KV heads of a sequence; 'layer': one "
+                             "per layer (select.budget)",
+                             budget_names, [](P& p) -> auto& { return p.select.budget; }));
+    k.push_back(int_knob<P>("max_cache_tokens",
+                            "tokens each (layer, KV head) keeps on average, in whole blocks; -1: no token budget",
+                            [](P& p) -> auto& { return p.max_cache_tokens; }));
+    k.push_back(double_knob<P>("compression_rate",
+                               "fraction of the compressible positions kept, in (0, 1]; 1: no rate",
+                               [](P& p) -> auto& { return p.compression_rate; }));
+    k.push_back(int_knob<P>("metric_window", "the prefill's last queries the metric reads (metric.window)",
+                            [](P& p) -> auto& { return p.metric.window; }));
+    k.push_back(int_knob<P>("pool_kernel", "max-pool per query head, odd; 1: none (metric.pool_kernel)",
+                            [](P& p) -> auto& { return p.metric.pool_kernel; }));
+    k.push_back(int_knob<P>("excluded_distance",
+                            "a query adds nothing to keys closer than this (metric.excluded_distance)",
+                            [](P& p) -> auto& { return p.metric.excluded_distance; }));
+  } else if constexpr (std::is_same_v<P, kara>) {
     // Kara scores a window bidirectionally and keeps its own pattern: no protect (both
     // 0, as pattern selectors need), no causal mask, no keys before a window.
     k.push_back(int_knob<P>("window", "|W|: the tokens of a window and the queries scored (scorer.window)",
@@ -333,6 +369,14 @@ void register_presets(nb::module_& m) {
       "window_begins, a multiple of the block size); the budget counts the tokens kept of W \\ U (kara_budget 225 "
       "keeps 257 of 768); the query slot holds the window's |W| queries, oldest first. Masks and scores cover the "
       "window.");
+  bind_preset<kvp::presets::kv_compress>(
+      m, "KVCompress",
+      "KV-Compress over a per-head block cache (kvpolicy.compress_per_head): each KV head of each layer holds its "
+      "own blocks; a sequence frees a number of blocks over all its layers and KV heads (budget 'sequence') or per "
+      "layer ('layer'), the cheapest by the metric each slot holds (squared attention, window 32, max pool 7 per "
+      "query head, summed over the group), then MoveCache compacts each head. The last 64 positions are never "
+      "evicted. The budget: max_cache_tokens or compression_rate (at most one; both off by default, so "
+      "compress_per_head needs blocks_to_free then).");
   bind_preset<kvp::presets::streaming_llm>(
       m, "StreamingLLM", "StreamingLLM: no scores; keeps the first `sinks` tokens and the most recent ones -> compact.");
 }

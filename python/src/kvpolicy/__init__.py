@@ -11,24 +11,28 @@ caller's stream. ``kvpolicy.torch_ops`` registers the call as a PyTorch custom o
 """
 
 from . import errors  # first: the compiled core raises kvpolicy.errors.Error
-from ._core import (GKV, H2O, LAYOUTS, RKV, HardKV, HardKVRKV, Kara, PagedCache, SnapKV, StreamingLLM, Zipage,
-                    has_cuda)
+from ._core import (GKV, H2O, LAYOUTS, RKV, HardKV, HardKVRKV, Kara, KVCompress, PagedCache, SnapKV, StreamingLLM,
+                    Zipage, has_cuda)
 from ._compress import CompressResult, compress, workspace_bytes
+from ._per_head import (MetricResult, PerHeadResult, blocks_to_free, compress_per_head, per_head_metric,
+                        per_head_metric_workspace_bytes, per_head_workspace_bytes)
 from .errors import Error
 
 __version__ = "0.1.0"
 
 PRESETS = {cls.name: cls for cls in (Zipage, RKV, GKV, SnapKV, H2O, StreamingLLM, HardKV, HardKVRKV, Kara)}
+# Policies over a per-head block cache (compress_per_head), not a PagedCache.
+PER_HEAD_PRESETS = {KVCompress.name: KVCompress}
 
 
 def preset(name: str, **overrides):
     """The preset called ``name`` ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm",
-    "hard_kv", "hard_kv_rkv", "kara"),
+    "hard_kv", "hard_kv_rkv", "kara", or "kv_compress" for compress_per_head),
     its published parameters overridden by keyword: ``preset("zipage", window=8)``."""
-    try:
-        cls = PRESETS[name]
-    except KeyError:
-        raise Error(f"kvpolicy: preset: is {name!r}; expected one of {', '.join(map(repr, PRESETS))}", "preset") from None
+    cls = PRESETS.get(name) or PER_HEAD_PRESETS.get(name)
+    if cls is None:
+        names = ", ".join(map(repr, [*PRESETS, *PER_HEAD_PRESETS]))
+        raise Error(f"kvpolicy: preset: is {name!r}; expected one of {names}", "preset")
     return cls(**overrides)
 
 
@@ -40,15 +44,24 @@ __all__ = [
     "HardKV",
     "HardKVRKV",
     "Kara",
+    "KVCompress",
     "LAYOUTS",
+    "MetricResult",
+    "PER_HEAD_PRESETS",
     "PRESETS",
+    "PerHeadResult",
     "PagedCache",
     "RKV",
     "SnapKV",
     "StreamingLLM",
     "Zipage",
+    "blocks_to_free",
     "compress",
+    "compress_per_head",
     "has_cuda",
+    "per_head_metric",
+    "per_head_metric_workspace_bytes",
+    "per_head_workspace_bytes",
     "preset",
     "workspace_bytes",
 ]
