@@ -146,7 +146,8 @@ std::size_t metric_bytes(const per_head_metric_call& call) {
   static std::int32_t some[1];  // the checks only need non-null pointers
   const kvp::device_metric_batch batch{some, some, call.num_items, nullptr, some};
   std::size_t bytes = 0;
-  if (call.prefill) launched(run.prefill(nullptr, bytes, call.metric, call.view, call.queries, batch), "sizing the workspace");
+  if (call.prefill)
+    launched(run.prefill(nullptr, bytes, call.metric, call.view, call.queries, batch), "sizing the workspace");
   return bytes;
 }
 

@@ -266,7 +266,8 @@ void host_per_head_metric(const kv_compress& p, nb::handle queries_arg, nb::hand
   const array seqs_a = readable(seqs_arg, "seqs");
   require_vector(seqs_a, "seqs");
   const std::size_t n = seqs_a.shape(0);
-  const std::vector<std::int32_t> seqs = item_column(seqs_arg, "seqs", n), slots = item_column(slots_arg, "query_slots", n),
+  const std::vector<std::int32_t> seqs = item_column(seqs_arg, "seqs", n),
+                                  slots = item_column(slots_arg, "query_slots", n),
                                   qpos = item_column(qpos_arg, "query_positions", n);
   kvp::validate_per_head(c);
   const std::int32_t window = prefill ? p.metric.window : 1;
@@ -289,7 +290,8 @@ void host_per_head_metric(const kv_compress& p, nb::handle queries_arg, nb::hand
         std::vector<std::int32_t> pos;
         for (std::int32_t s = 0; s < T; ++s) {
           const std::byte* row = c.k_row(l, seqs[i], h, s);
-          for (std::int32_t e = 0; e < d; ++e) keys[static_cast<std::size_t>(s) * d + e] = kvp::load_as_float(row, c.type, e);
+          for (std::int32_t e = 0; e < d; ++e)
+            keys[static_cast<std::size_t>(s) * d + e] = kvp::load_as_float(row, c.type, e);
           m[static_cast<std::size_t>(s)] = c.metric.at(l, c.physical_block(l, seqs[i], h, s), s % b);
           if (!c.positions.empty()) pos.push_back(c.positions.at(l, c.physical_block(l, seqs[i], h, s), s % b));
         }
@@ -466,7 +468,8 @@ void metric_binding(const kv_compress& p, nb::handle queries, nb::handle k, nb::
   const array seqs_a = readable(seqs_arg, "seqs");
   require_vector(seqs_a, "seqs");
   const std::size_t n = seqs_a.shape(0);
-  const std::vector<std::int32_t> seqs = item_column(seqs_arg, "seqs", n), slots = item_column(slots_arg, "query_slots", n),
+  const std::vector<std::int32_t> seqs = item_column(seqs_arg, "seqs", n),
+                                  slots = item_column(slots_arg, "query_slots", n),
                                   qpos = item_column(qpos_arg, "query_positions", n);
   call.seqs = seqs.data();
   call.slots = slots.data();

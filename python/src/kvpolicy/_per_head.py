@@ -185,7 +185,8 @@ def _device_items(policy, num_layers: int, seqs, blocks_to_free, logical_lengths
         except (ValueError, RuntimeError):
             raise Error(f"kvpolicy: blocks_to_free: has shape {tuple(counts.shape)}; expected [n, layers] = "
                         f"[{n}, {num_layers}]", "blocks_to_free") from None
-        columns = [seq, counts.sum(1) if per_layer else counts[:, 0], xp.broadcast_to(logical.reshape(-1) if logical.ndim else logical, (n,))]
+        logical = xp.broadcast_to(logical.reshape(-1) if logical.ndim else logical, (n,))
+        columns = [seq, counts.sum(1) if per_layer else counts[:, 0], logical]
         rows = xp.stack(columns, 1)
         if per_layer:
             rows = xp.concatenate([rows, counts], 1)
