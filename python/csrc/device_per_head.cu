@@ -82,6 +82,10 @@ void device_compress_per_head(const per_head_call& call, const per_head_outputs&
   kvp::require(workspace_bytes >= ws.total, "workspace", "has {} bytes; the call needs {}", workspace_bytes, ws.total);
   kvp::require(out.status && out.new_lengths && out.freed_counts && out.freed_blocks, "out",
                "needs status, new_lengths, freed_counts and freed_blocks");
+  if (call.num_items == 0) {  // nothing to launch: a clean status (outputs are empty)
+    launched(cudaMemsetAsync(out.status, 0, kvp::status_words * sizeof(std::int32_t), stream), "clearing the status");
+    return;
+  }
   auto* base = static_cast<std::byte*>(workspace);
   const bool per_layer = call.select.budget == kvp::select::block_budget::layer;
   const std::int64_t* rows = call.device_items;
