@@ -8,7 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _core
-from ._frameworks import DeviceAllocator, host_result, is_device_array
+from ._frameworks import DeviceAllocator, device_items, host_result, is_device_array
 from ._streams import stream_handle
 from .errors import Error
 
@@ -107,50 +107,11 @@ def _host_items(seqs, budgets, history_tokens, query_slots, window_begins=0) -> 
 
 def _device_items(seqs, budgets, history_tokens, query_slots, device: int, stream: int, window_begins=0):
     """Items built on the device by the framework of the device arrays among them, on
-    the call's stream (no host round trip: a captured graph reads them at each replay).
-
-    Device arrays are used as they are (cast to int32 on the device); a Python int is
-    a fill on the device (no copy: under capture its value is part of the graph). Host
-    vectors (lists, NumPy) are copied to the device, which a CUDA graph capture cannot
-    do from pageable memory: while the stream is capturing they raise kvpolicy.Error."""
+    the call's stream (no host round trip: a captured graph reads them at each replay;
+    device_items says what each kind of argument becomes)."""
     named = {"seqs": seqs, "budgets": budgets, "history_tokens": history_tokens,
              "query_slots": seqs if query_slots is None else query_slots, "window_begins": window_begins}
-    kinds = {type(x).__module__.split(".")[0] for x in named.values() if is_device_array(x)}
-    if kinds not in ({"torch"}, {"cupy"}):
-        raise Error(
-            f"kvpolicy: seqs: device item arrays come from {sorted(kinds)}; they may be PyTorch or CuPy arrays "
-            "(one of them), or host values (ints, lists, NumPy)",
-            "seqs",
-        )
-    capturing = None
-    for name, x in named.items():
-        if is_device_array(x) or isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-            continue
-        if capturing is None:
-            capturing = _core.stream_is_capturing(stream)
-        if capturing:
-            raise Error(
-                f"kvpolicy: {name}: is a host array ({type(x).__name__}) while the stream is being captured into a "
-                "CUDA graph, next to items on the device; a capture cannot copy it there: pass it as a device array "
-                "(PyTorch or CuPy) or an int",
-                name,
-            )
-    framework = kinds.pop()
-    if framework == "torch":
-        import torch as xp
-
-        def array(x):
-            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                return xp.full((), int(x), dtype=xp.int32, device=f"cuda:{device}")
-            return xp.as_tensor(x, device=f"cuda:{device}").to(xp.int32)
-    else:
-        import cupy as xp
-
-        def array(x):
-            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                return xp.full((), int(x), dtype=xp.int32)
-            return xp.asarray(x).astype(xp.int32)
-
+    framework, xp, array = device_items(named, device, stream, "int32")
     # Every kernel (casts, fills, the stack) on the call's stream: ordered with the
     # compression, and recorded by a capture of that stream.
     with DeviceAllocator(framework, device, stream).on_stream():

@@ -14,6 +14,7 @@ import contextlib
 import numpy as np
 
 from . import _core
+from .errors import Error
 
 
 def is_device_array(x) -> bool:
@@ -80,3 +81,55 @@ def host_result(array: np.ndarray, framework: str):
 
         return torch.from_numpy(array)
     return array
+
+
+def device_items(named: dict, device: int, stream: int, dtype: str):
+    """For a call's item arguments (`named`: name -> value), some of them device arrays:
+    the framework they come from, its array module, and a function that turns each
+    argument into a device array of `dtype` ("int32" or "int64") on `device`, without
+    a host round trip. Device arrays are cast on the device; a Python int is a fill
+    (no copy: under capture its value is part of the graph). Host vectors (lists,
+    NumPy) are copied, which a CUDA graph capture cannot do from pageable memory:
+    while the stream is capturing they raise kvpolicy.Error. Call the function inside
+    DeviceAllocator(framework, device, stream).on_stream()."""
+    kinds = {type(x).__module__.split(".")[0] for x in named.values() if is_device_array(x)}
+    if kinds not in ({"torch"}, {"cupy"}):
+        raise Error(
+            f"kvpolicy: seqs: device item arrays come from {sorted(kinds)}; they may be PyTorch or CuPy arrays "
+            "(one of them), or host values (ints, lists, NumPy)",
+            "seqs",
+        )
+    capturing = None
+    for name, x in named.items():
+        if is_device_array(x) or isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+            continue
+        if capturing is None:
+            capturing = _core.stream_is_capturing(stream)
+        if capturing:
+            raise Error(
+                f"kvpolicy: {name}: is a host array ({type(x).__name__}) while the stream is being captured into a "
+                "CUDA graph, next to items on the device; a capture cannot copy it there: pass it as a device array "
+                "(PyTorch or CuPy) or an int",
+                name,
+            )
+    framework = kinds.pop()
+    if framework == "torch":
+        import torch as xp
+
+        kind = getattr(xp, dtype)
+
+        def array(x):
+            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+                return xp.full((), int(x), dtype=kind, device=f"cuda:{device}")
+            return xp.as_tensor(x, device=f"cuda:{device}").to(kind)
+    else:
+        import cupy as xp
+
+        kind = getattr(xp, dtype)
+
+        def array(x):
+            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+                return xp.full((), int(x), dtype=kind)
+            return xp.asarray(x).astype(kind)
+
+    return framework, xp, array

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _core
-from ._frameworks import DeviceAllocator, host_result, is_device_array
+from ._frameworks import DeviceAllocator, device_items, host_result, is_device_array
 from ._streams import stream_handle
 from .errors import Error
 
@@ -133,38 +133,7 @@ def _device_items(policy, num_layers: int, seqs, blocks_to_free, logical_lengths
     per_layer = policy.budget == "layer"
     named = {"seqs": seqs, "blocks_to_free": blocks_to_free,
              "logical_lengths": -1 if logical_lengths is None else logical_lengths}
-    kinds = {_framework(x) for x in named.values() if is_device_array(x)}
-    if kinds not in ({"torch"}, {"cupy"}):
-        raise Error(f"kvpolicy: seqs: device item arrays come from {sorted(kinds)}; they may be PyTorch or CuPy "
-                    "arrays (one of them), or host values", "seqs")
-    capturing = None
-    for name, x in named.items():
-        if is_device_array(x) or isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-            continue
-        if capturing is None:
-            capturing = _core.stream_is_capturing(stream)
-        if capturing:
-            raise Error(
-                f"kvpolicy: {name}: is a host array ({type(x).__name__}) while the stream is being captured into a "
-                "CUDA graph, next to items on the device; a capture cannot copy it there: pass it as a device array "
-                "(PyTorch or CuPy) or an int",
-                name,
-            )
-    framework = kinds.pop()
-    if framework == "torch":
-        import torch as xp
-
-        def array(x):
-            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                return xp.full((), int(x), dtype=xp.int64, device=f"cuda:{device}")
-            return xp.as_tensor(x, device=f"cuda:{device}").to(xp.int64)
-    else:
-        import cupy as xp
-
-        def array(x):
-            if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                return xp.full((), int(x), dtype=xp.int64)
-            return xp.asarray(x).astype(xp.int64)
+    framework, xp, array = device_items(named, device, stream, "int64")
 
     with DeviceAllocator(framework, device, stream).on_stream():
         seq = array(seqs).reshape(-1)

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(row_threads) per_head_histogram_kernel(per_hea
   }
 }
 
-// Blocks a row's warp computes per pass: one warp per row.
+// Rows per block of the warp-per-row kernels (one warp a row).
 inline constexpr std::int32_t per_head_rows_per_block = row_threads / 32;
 
 // A warp's lane holds 8 adjacent digits (8 lane .. 8 lane + 7) of a row's histogram.
