@@ -149,6 +149,7 @@ inline void check_same_cache(const test_cache& want, const test_cache& got, cons
   CHECK_MESSAGE(f_differ == 0, f_differ, " F entries differ, first at ", first_f);
   // The positions move with their tokens: the same integers everywhere.
   CHECK(got.raw_positions() == want.raw_positions());
+  CHECK(got.raw_live() == want.raw_live());  // written from the same counts (cautious update)
 }
 
 }  // namespace kvp_test

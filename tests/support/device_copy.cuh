@@ -1,6 +1,6 @@
 // A test_cache's arrays copied to device memory (K/V buffers, queries, F, block
-// table, lengths, positions), the views over the copies, built by the fixture's own
-// layout code, and the way back for what an executor writes: K, V, F and positions.
+// table, lengths, positions, live bytes), the views over the copies, built by the fixture's
+// own layout code, and the way back for what an executor writes: K, V, F, positions, live.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +22,8 @@ class device_copy {
         table_(tc.raw_table().begin(), tc.raw_table().end()),
         indptr_(tc.raw_indptr().begin(), tc.raw_indptr().end()),
         lengths_(tc.raw_lengths().begin(), tc.raw_lengths().end()),
-        positions_(tc.raw_positions().begin(), tc.raw_positions().end()) {
+        positions_(tc.raw_positions().begin(), tc.raw_positions().end()),
+        live_(tc.raw_live().begin(), tc.raw_live().end()) {
     std::vector<std::byte*> bases;
     buffers_.reserve(tc.raw_buffers().size());
     for (const auto& buf : tc.raw_buffers()) {
@@ -33,7 +34,7 @@ class device_copy {
     k_layers_.assign(k_layers.begin(), k_layers.end());
     v_layers_.assign(v_layers.begin(), v_layers.end());
     cache_ = tc.view_over(
-        {bases[0], raw(k_layers_), raw(v_layers_), raw(table_), raw(indptr_), raw(lengths_), raw(positions_)});
+        {bases[0], raw(k_layers_), raw(v_layers_), raw(table_), raw(indptr_), raw(lengths_), raw(positions_), raw(live_)});
     queries_view_ = tc.queries_over(raw(queries_));
     scores_view_ = tc.scores_over(raw(f_));
   }
@@ -51,6 +52,7 @@ class device_copy {
       thrust::copy(buffers_[i].begin(), buffers_[i].end(), tc.raw_buffers()[i].begin());
     thrust::copy(f_.begin(), f_.end(), tc.raw_f().begin());
     thrust::copy(positions_.begin(), positions_.end(), tc.raw_positions().begin());
+    thrust::copy(live_.begin(), live_.end(), tc.raw_live().begin());
   }
 
  private:
@@ -63,6 +65,7 @@ class device_copy {
   thrust::device_vector<std::byte> queries_;
   thrust::device_vector<float> f_;
   thrust::device_vector<i32> table_, indptr_, lengths_, positions_;
+  thrust::device_vector<std::uint8_t> live_;
   thrust::device_vector<void*> k_layers_, v_layers_;
   kvp::paged_kv_view cache_{};
   kvp::query_window_view queries_view_{};

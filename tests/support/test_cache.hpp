@@ -90,6 +90,7 @@ struct cache_config {
   bool shuffle = true;  // shuffled block table (never the identity when there are 2+ blocks)
   bool randomize = true;  // random K, V, queries in [-1, 1) and F in [f_lo, f_hi); else all zero
   float f_lo = -1.0f, f_hi = 1.0f;
+  bool live = false;  // the view carries a live view (cautious update): 1 for every held token
 };
 
 class test_cache {
@@ -102,6 +103,7 @@ class test_cache {
     std::vector<i32> table, indptr, lengths;
     std::vector<void*> k_layers, v_layers;
     std::vector<i32> positions;
+    std::vector<std::uint8_t> live;
   };
 
   // Which (layer, physical block, slot) may be written: [L][NB][b].
@@ -194,6 +196,9 @@ class test_cache {
       for (i32 t = 0; t < cfg_.lengths[s]; ++t)
         for (i32 l = 0; l < cfg_.layers; ++l)
           for (i32 h = 0; h < cfg_.kv_heads; ++h) position(l, s, t, h) = t;
+    // Held by every head: 1 for each token of a sequence, 0 in free slots.
+    live_.assign(f_.size(), 0);
+    for (std::size_t i = 0; i < positions_.size(); ++i) live_[i] = positions_[i] >= 0;
     if (cfg_.randomize) randomize();
   }
 
@@ -256,7 +261,7 @@ class test_cache {
   }
   kvp::paged_kv_view view() {
     return view_over({buffers_[0].data(), k_layers_.data(), v_layers_.data(), table_.data(), indptr_.data(),
-                      lengths_.data(), positions_.data()});
+                      lengths_.data(), positions_.data(), live_.data()});
   }
   kvp::query_window_view queries() const noexcept { return queries_over(queries_.data()); }
   kvp::score_view scores() noexcept { return scores_over(f_.data()); }
@@ -272,6 +277,7 @@ class test_cache {
     const i32* indptr = nullptr;
     const i32* lengths = nullptr;
     i32* positions = nullptr;  // raw_positions()
+    std::uint8_t* live = nullptr;  // raw_live(), taken when the config asks for a live view
   };
   std::vector<void*> layer_table(kv_kind kind, std::span<std::byte* const> buffer_bases) const {
     std::vector<void*> out;
@@ -290,6 +296,7 @@ class test_cache {
   kvp::paged_kv_view view_over(const array_bases& a) const {
     kvp::paged_kv_view v = layout_view(a);
     if (a.positions) v.positions = kvp::position_view::contiguous(a.positions, cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads);
+    if (a.live && cfg_.live) v.live = kvp::live_view::contiguous(a.live, cfg_.num_blocks, cfg_.block_size, cfg_.kv_heads);
     return v;
   }
   kvp::paged_kv_view layout_view(const array_bases& a) const {
@@ -438,6 +445,13 @@ class test_cache {
     return positions_[position_index(l, block_of_token(seq, t), t % cfg_.block_size, h)];
   }
   std::vector<i32>& raw_positions() noexcept { return positions_; }
+  // The live bytes, indexed as the positions (position_index); view() takes them when
+  // the config's `live` is set.
+  std::vector<std::uint8_t>& raw_live() noexcept { return live_; }
+  const std::vector<std::uint8_t>& raw_live() const noexcept { return live_; }
+  std::uint8_t& live(i32 l, i32 seq, i32 t, i32 h) {
+    return live_[position_index(l, block_of_token(seq, t), t % cfg_.block_size, h)];
+  }
   const std::vector<i32>& raw_positions() const noexcept { return positions_; }
   std::vector<float>& raw_f() noexcept { return f_; }
   const std::vector<float>& raw_f() const noexcept { return f_; }
@@ -484,13 +498,14 @@ class test_cache {
 
   // ---- snapshots ---------------------------------------------------------------
   snapshot take_snapshot() const {
-    return {buffers_, queries_, f_, table_, indptr_, lengths_, k_layers_, v_layers_, positions_};
+    return {buffers_, queries_, f_, table_, indptr_, lengths_, k_layers_, v_layers_, positions_, live_};
   }
   // Every byte the fixture owns equals the snapshot (F compared bit for bit).
   bool unchanged_since(const snapshot& s) const {
     return s.buffers == buffers_ && s.queries == queries_ && s.table == table_ && s.indptr == indptr_ &&
            s.lengths == lengths_ && s.k_layers == k_layers_ && s.v_layers == v_layers_ && s.f.size() == f_.size() &&
-           std::memcmp(s.f.data(), f_.data(), f_.size() * sizeof(float)) == 0 && s.positions == positions_;
+           std::memcmp(s.f.data(), f_.data(), f_.size() * sizeof(float)) == 0 && s.positions == positions_ &&
+           s.live == live_;
   }
   bool kv_unchanged_since(const snapshot& s) const { return s.buffers == buffers_; }
   bool f_unchanged_since(const snapshot& s) const {
@@ -536,6 +551,9 @@ class test_cache {
               if (positions_[at] != s.positions[at])
                 note("position layer " + std::to_string(l) + " block " + std::to_string(p) + " slot " +
                      std::to_string(slot) + " head " + std::to_string(h));
+              if (live_[at] != s.live[at])
+                note("live layer " + std::to_string(l) + " block " + std::to_string(p) + " slot " +
+                     std::to_string(slot) + " head " + std::to_string(h));
             }
             if (!f_ok(l, p, slot)) {
               const float a = const_cast<test_cache*>(this)->f_at(l, p, slot, h), b = f_at(s, l, p, slot, h);
@@ -577,6 +595,7 @@ class test_cache {
   std::vector<float> f_;
   std::vector<i32> table_, indptr_, lengths_;
   std::vector<i32> positions_;
+  std::vector<std::uint8_t> live_;
   i64 row_stride_ = 0;
   std::vector<std::vector<i32>> rows_;
   std::vector<std::pair<i32, i32>> owner_;

@@ -44,6 +44,7 @@ inline test_cache zero_padded_copy(const test_cache& tc, int k) {
   out.raw_lengths() = tc.raw_lengths();
   out.raw_f() = tc.raw_f();
   out.raw_positions() = tc.raw_positions();
+  out.raw_live() = tc.raw_live();
   // Every physical row, owned by a sequence or not.
   for (i32 l = 0; l < tc.num_layers(); ++l)
     for (i32 p = 0; p < tc.num_blocks(); ++p)

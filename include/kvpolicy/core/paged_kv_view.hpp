@@ -8,6 +8,7 @@
 #include "kvpolicy/core/block_sharing.hpp"
 #include "kvpolicy/core/block_table.hpp"
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/live_view.hpp"
 #include "kvpolicy/core/position_view.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -63,9 +64,16 @@ struct paged_kv_view {
   const std::int32_t* lengths = nullptr;  // [num_seqs] tokens held by each sequence
   block_sharing sharing{};                // optional: blocks other requests read too
   position_view positions{};              // optional: each token's original position, moved with it
+  live_view live{};                       // optional: cautious update, the tokens each head still holds
 
   KVP_HOST_DEVICE std::int32_t physical_block(std::int32_t seq, std::int32_t t) const noexcept {
     return table.block(seq, t / block_size);
+  }
+
+  // Whether token t (logical position) of seq is still held by head h of layer l:
+  // always without a live view.
+  KVP_HOST_DEVICE bool alive(std::int32_t l, std::int32_t seq, std::int32_t t, std::int32_t h) const noexcept {
+    return live.empty() || live.at(l, physical_block(seq, t), t % block_size, h) != 0;
   }
 
   // First element of head h of token t (logical position) of sequence seq, in layer l.

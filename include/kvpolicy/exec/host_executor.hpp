@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -128,15 +129,30 @@ struct host_executor {
           std::vector<float> s(static_cast<std::size_t>(T), 0.0f), keys, raw;
           std::vector<float> prefix_f(static_cast<std::size_t>(prefix_tokens), 0.0f);  // F of the shared prefix
           const std::span<float> cand(s.data(), static_cast<std::size_t>(n));
+          // Cautious update: the tokens this head still holds (read before the layout writes them).
+          std::vector<std::uint8_t> alive;
+          std::int32_t live = T, must_live = must;
+          if (!cache.live.empty()) {
+            alive.resize(static_cast<std::size_t>(T));
+            live = must_live = 0;
+            for (std::int32_t t = 0; t < T; ++t) {
+              alive[t] = cache.alive(l, it.seq, t, h);
+              live += alive[t];
+              must_live += alive[t] && (p.protect.covers(t, T) || t >= n);
+            }
+          }
 
           timed(stage::score, [&] {
             if constexpr (AttentionScorer<S> || !std::same_as<R, none>) keys = host::gather_keys(cache, l, it.seq, h, T);
             if constexpr (AttentionScorer<S>) {
-              host::attention_scores(p.scorer, queries, l, it.query_slot, h, H, keys, T, d, cand);
+              host::attention_scores(p.scorer, queries, l, it.query_slot, h, H, keys, T, d, cand, alive);
             } else if constexpr (KeyScorer<S>) {
               host::key_scores(p.scorer, cache, l, it.seq, h, T, s);
             }
             if constexpr (ScoreDependentSelector<Sel>) raw = s;  // what the selector sees as `raw`
+            // A dropped token enters aggregation with no score (what attention gives it).
+            for (std::int32_t t = 0; t < n && !alive.empty(); ++t)
+              if (!alive[t]) s[t] = 0.0f;
           });
 
           timed(stage::aggregate, [&] {
@@ -168,13 +184,16 @@ struct host_executor {
           timed(stage::select, [&] {
             out.nonfinite_scores[i] += host::count_nonfinite(cand);
             host::apply_protect(p.protect, s, n);
+            // Dropped tokens: never kept, whatever protects their slots.
+            for (std::int32_t t = 0; t < T && !alive.empty(); ++t)
+              if (!alive[t]) s[t] = -std::numeric_limits<float>::infinity();
             if constexpr (PatternSelector<Sel>) {
               keep.assign(static_cast<std::size_t>(T), 1);  // the non-candidates stay
               p.select.keep_pattern(cand, it.budget, std::span<std::uint8_t>(keep.data(), static_cast<std::size_t>(n)));
               kept = T - n + p.select.region_keep(n, it.budget);
             } else {
-              kept = host::keep_count(p.select, s, raw, n, must, it.budget, head, it.query_slot);
-              keep = host::select_top(p.select, s, kept);
+              kept = host::keep_count(p.select, s, raw, n, must_live, it.budget, head, it.query_slot, live);
+              keep = host::select_top(p.select, s, kept, alive);
             }
           });
           out.kept_counts[i][row] = kept;

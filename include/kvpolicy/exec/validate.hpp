@@ -154,6 +154,23 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
             "is (window {}, sinks {}); a pattern selector keeps its own tokens and needs both 0", p.protect.window,
             p.protect.sinks);
   }
+  if (!cache.live.empty()) {
+    // Cautious update (core/live_view.hpp): the stages that leave dropped tokens out.
+    // Redundancy would need them out of its similarity sums too; a window or a
+    // pattern keeps counts of its own that dropped tokens would break; the layout
+    // writes the bytes of the slots it fills, which a layout that moves nothing has not.
+    require(std::same_as<typename P::redundancy_type, none>, "cache.live",
+            "is set; cautious update does not support a redundancy stage (pipeline.redundancy) yet");
+    using L = typename P::layout_type;
+    require(moves_tokens<L>() && !window_only<L>(), "cache.live",
+            "is set; cautious update needs a layout that compacts whole rows (layout::compact or layout::fill)");
+    require(!PatternSelector<typename P::select_type>, "cache.live",
+            "is set; cautious update does not support a pattern selector (pipeline.select)");
+    const live_view& lv = cache.live;
+    require(lv.layer_stride >= 0 && lv.block_stride >= 0 && lv.token_stride >= 0 && lv.head_stride >= 0,
+            "cache.live", "has strides (layer {}, block {}, token {}, head {}); must not be negative", lv.layer_stride,
+            lv.block_stride, lv.token_stride, lv.head_stride);
+  }
   // A selector's own parameters and state (docs/extending.md, "A policy's own checks").
   if constexpr (requires { p.select.validate(cache, queries); }) p.select.validate(cache, queries);
 }

@@ -111,8 +111,10 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   // This block's slice: 16-byte vectors [v0, v0 + vecs) of each K and V row.
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16) / slices,
                      v0 = static_cast<std::int32_t>(blockIdx.x % slices) * vecs;
-  // F and the positions move with their tokens through the first slice's block.
+  // F and the positions move with their tokens through the first slice's block, which
+  // also writes the live bytes (cautious update: 1 where a kept token lands, else 0).
   const bool with_f = !f.empty() && v0 == 0, with_positions = EngineState && !cache.positions.empty() && v0 == 0;
+  const bool with_live = !cache.live.empty() && v0 == 0;
   const std::size_t stage_vecs = 2 * std::size_t(chunk) * vecs;
   // A moving token's F and position, and where they go (null: nothing to move).
   struct sidecar_move {
@@ -140,6 +142,7 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
     side = {};
     if (flag) {
       const std::int32_t to = p.layout.destination(written + before);
+      if (with_live) cache.live.at(rc.layer, to_table.block(to / b), to % b, rc.head) = 1;
       // A token of a shared prefix moves even to its own position: to a target block.
       const bool moves = to != t || to < prefix_tokens;
       const std::int32_t from_block = moves ? cache.physical_block(it.seq, t) : 0;
@@ -173,6 +176,11 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   };
 
   if (T <= 0) return;
+  if (with_live) {
+    // Cleared before gather marks the destinations: nothing in this kernel reads them.
+    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) cache.live.at(rc.layer, to_table.block(t / b), t % b, rc.head) = 0;
+    __syncthreads();
+  }
   sidecar_move side, side_next;
   std::int32_t written = 0;  // kept tokens before chunk c0
   std::int32_t flag_next = flag_of(chunk);

@@ -166,7 +166,8 @@ class dispatch {
     w.readers = ws.take(static_cast<std::size_t>(c_.cache.num_blocks) * sizeof(std::int32_t));
     w.stash_f = targets && uses_score_cache<typename P::aggregate_type>();
     if (w.stash_f) w.f_stash = ws.take(cells * sizeof(float));
-    w.per_item_counts = !uniform_counts<typename P::select_type>;
+    // Under cautious update a row keeps at most what its head holds: counts differ per row.
+    w.per_item_counts = !uniform_counts<typename P::select_type> || !c_.cache.live.empty();
     if (w.per_item_counts) {
       w.item_max = ws.take(static_cast<std::size_t>(num_items) * sizeof(std::int32_t));
       w.item_rows_done = ws.take(static_cast<std::size_t>(num_items) * sizeof(std::int32_t));

@@ -183,9 +183,13 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
   float* s = rows_global ? rows_global + base : reinterpret_cast<float*>(smem4);
   float* tmp = rows_global ? rows_global + cells + base : s + rs.max_tokens;
   const float inf = __builtin_huge_valf();
+  // Cautious update: a token the head dropped enters aggregation with no score, is
+  // never kept and is not counted as protected (host_executor.hpp, the same steps).
+  const bool cautious = !cache.live.empty();
+  const auto held = [&](std::int32_t t) { return cache.alive(rc.layer, it.seq, t, rc.head); };
 
   for_each_token_batched(
-      n, [&](std::int32_t t) { return scored ? scores_in[base + t] : 0.0f; },
+      n, [&](std::int32_t t) { return scored && (!cautious || held(t)) ? scores_in[base + t] : 0.0f; },
       [&](std::int32_t t, float v) { s[t] = v; });
   __syncthreads();
   const std::int32_t prefix_tokens = min(T, out.targets.count(rc.item) * cache.block_size);
@@ -221,31 +225,50 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
     odd = block_sum(odd, sh.reduce, sh.broadcast);
     if (threadIdx.x == 0 && odd > 0.0f) atomicAdd(out.nonfinite + rc.item, static_cast<std::int32_t>(odd));
   }
-  for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
-    if (p.protect.covers(t, T) || t >= n) s[t] = inf;
+  // Under cautious update the pooling copy, free again, marks the held tokens (1).
+  float* held_mark = tmp;
+  float held_tokens = 0.0f, held_protected = 0.0f;
+  for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+    const bool covered = p.protect.covers(t, T) || t >= n;
+    if (covered) s[t] = inf;
+    if (cautious) {
+      const bool h = held(t);
+      if (!h) s[t] = -inf;
+      held_mark[t] = h ? 1.0f : 0.0f;
+      held_tokens += h ? 1.0f : 0.0f;
+      held_protected += h && covered ? 1.0f : 0.0f;
+    }
+  }
   __syncthreads();
+  std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window), live = T;
+  if (cautious) {
+    live = static_cast<std::int32_t>(block_sum(held_tokens, sh.reduce, sh.broadcast));
+    must = static_cast<std::int32_t>(block_sum(held_protected, sh.reduce, sh.broadcast));
+  }
 
   // How many the row keeps, then which: the keep_count largest rank keys, or the
-  // selector's pattern (a pattern kind, select_count.cuh).
-  const std::int32_t must = protected_count(T, n, p.protect.sinks, p.protect.window);
+  // selector's pattern (a pattern kind, select_count.cuh). A dropped token's key is 0,
+  // below every held one's (rank_bits of -inf at position 0 is 0x007fffff << 32).
   const count_inputs in{s, scored ? scores_in + base : nullptr, T, n, must, it.budget, head_index{rc.layer, rc.head},
-                         it.query_slot};
+                         it.query_slot, live};
   const std::int32_t keep_count = count_kind::keep_count(p.select, in, count_storage);
   if constexpr (is_pattern_kind<count_kind>) {
     // The pooling copy is free again: the pattern's working positions.
     count_kind::keep(p.select, in, out.keep + base, reinterpret_cast<std::int32_t*>(tmp), sh.select);
     if (out.scores)
       for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) out.scores[base + t] = s[t];
-  } else {
-    std::uint64_t threshold = 0;
-    if constexpr (!std::same_as<Sel, none>) {
-      threshold = block_kth_largest([&](std::int32_t t) { return rank_bits(p.select.rank_key(s[t], t, T), t); }, T,
-                                    keep_count, sh.select);
-    }
+  } else if constexpr (std::same_as<Sel, none>) {
     for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
-      bool keep = true;
-      if constexpr (!std::same_as<Sel, none>) keep = rank_bits(p.select.rank_key(s[t], t, T), t) >= threshold;
-      out.keep[base + t] = keep;
+      out.keep[base + t] = !cautious || held_mark[t] != 0.0f;
+      if (out.scores) out.scores[base + t] = s[t];
+    }
+  } else {
+    const auto rank_of = [&](std::int32_t t) -> std::uint64_t {
+      return cautious && held_mark[t] == 0.0f ? 0 : rank_bits(p.select.rank_key(s[t], t, T), t);
+    };
+    const std::uint64_t threshold = block_kth_largest(rank_of, T, keep_count, sh.select);
+    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
+      out.keep[base + t] = rank_of(t) >= threshold;
       if (out.scores) out.scores[base + t] = s[t];
     }
   }
@@ -254,7 +277,7 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
   // The item's new length and released blocks: with one count for every row, the
   // item's first row writes them; else the item's last row to finish, from the
   // largest count of all its rows (layers share the item's block table).
-  if constexpr (uniform_counts<Sel>) {
+  if (uniform_counts<Sel> && !cautious) {
     if (threadIdx.x == 0 && rc.layer == rs.layer_begin && rc.head == 0)
       write_item_result(out, cache, rc.item, it.seq, T, moves_tokens<L>() ? keep_count : T, it.window_begin);
   } else {

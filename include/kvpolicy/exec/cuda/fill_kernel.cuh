@@ -75,6 +75,10 @@ __global__ void __launch_bounds__(row_threads) fill_kernel(paged_kv_view cache, 
     seen += total;
     __syncthreads();
   }
+  // Cautious update: the row is dense in [0, k) after the moves.
+  if (!cache.live.empty())
+    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
+      cache.live.at(rc.layer, cache.physical_block(it.seq, t), t % b, rc.head) = t < k;
   if (n_holes == 0) return;
   // Every K and V row: the copies of one move are independent of every other's.
   const std::int32_t vecs = static_cast<std::int32_t>(cache.row_bytes() / 16);

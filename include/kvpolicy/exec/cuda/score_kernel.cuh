@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged
   const bool by_logits = s.group == group_reduce::max_logits;
   const float ninf = -__builtin_huge_valf();
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
+  const bool cautious = !cache.live.empty();
 
   float* qs = reinterpret_cast<float*>(smem4);
   float* ks = qs + std::size_t(QW) * pitch;
@@ -92,11 +93,13 @@ __global__ void __launch_bounds__(row_threads) attention_score_kernel(S s, paged
       __syncthreads();
       const std::int32_t t = tile + lane;
       const bool valid = lane < count;
+      // Cautious update: keys the head dropped are masked like keys no query sees.
+      const bool held = valid && (!cautious || cache.alive(rc.layer, it.seq, t, rc.head));
       const float* krow = ks + std::size_t(valid ? lane : 0) * pitch;
       float window_acc = 0.0f;
       for (std::int32_t j = warp; j < w; j += warps) {
         const std::int32_t pj = T - w + j;
-        const bool seen = valid && s.visible(pj, t);
+        const bool seen = held && s.visible(pj, t);
         float zmax = ninf, gacc = s.group == group_reduce::max ? ninf : 0.0f;
         for (std::int32_t g0 = 0; g0 < G; g0 += group_chunk) {
           float acc[group_chunk];

@@ -179,7 +179,7 @@ KVP_HOST_DEVICE constexpr bool score_wgmma_fits(group_reduce group, std::int32_t
 // lightning's per-row count of finished cache blocks (publish_row_part), so that a
 // block waits for its row's lightning blocks rather than for the whole grid; null
 // to wait for the grid.
-template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false>
+template <AttentionScorer S, dtype Elem, int HeadDim = 0, bool Wgmma = false, bool Cautious = false>
 __global__ void __launch_bounds__(row_threads, score_tuning::blocks_per_sm)
     attention_score_mma_kernel(S s, paged_kv_view cache, query_window_view q, row_space rs, float* scores,
                                std::int32_t* ready_out, const float2* block_stats, std::int32_t key_splits,
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(row_threads, score_tuning::blocks_per_sm)
   // Keys below plain_end are candidates visible to every window query, and no row is
   // padding (or padding rows are left out later, in chunk order): tiles under it
   // skip the mask test (the scorer's optional visible_end).
-  const std::int32_t plain_end = QW == rows || in_fragments ? min(n, window_visible_end(s, T)) : 0;
+  const std::int32_t plain_end = !Cautious && (QW == rows || in_fragments) ? min(n, window_visible_end(s, T)) : 0;
   if (block_stats) {
     // The blocks' statistics, joined in block order (blocks past the candidates wrote
     // none), once the kernel that wrote them has finished (or those blocks have).
@@ -327,6 +327,15 @@ __global__ void __launch_bounds__(row_threads, score_tuning::blocks_per_sm)
       }
 
       const std::uint16_t* kb = kbase + buf * tile_elems;
+      // Cautious update (the Cautious instance only): keys the head dropped are masked
+      // like keys no query sees; one bit per key of the tile, the same in every lane.
+      std::uint64_t tile_held = ~0ull;
+      if constexpr (Cautious) {
+        const auto bit = [&](std::int32_t t) { return t < n && cache.alive(rc.layer, it.seq, t, rc.head); };
+        tile_held = __ballot_sync(0xffffffffu, bit(tile + lane)) |
+                    std::uint64_t{__ballot_sync(0xffffffffu, bit(tile + 32 + lane))} << 32;
+      }
+      const auto held = [&](std::int32_t t) { return !Cautious || ((tile_held >> (t - tile)) & 1u) != 0; };
       // Probabilities with the keys as rows: warps take (16 keys x 32 queries) pieces.
       // (This MMA loop is the logits loop below with A and B swapped; one helper for
       // both was slower, from its register allocation: bench/results/README.md.)
@@ -370,7 +379,7 @@ __global__ void __launch_bounds__(row_threads, score_tuning::blocks_per_sm)
 #pragma unroll
             for (int sl = 0; sl < 8; ++sl) {
               float z = acc[sl / 2][h * 2 + sl % 2];
-              if constexpr (Masked) z = t < n && s.visible(pj0 + sl / Gc, t) ? z : ninf;
+              if constexpr (Masked) z = t < n && s.visible(pj0 + sl / Gc, t) && held(t) ? z : ninf;
               pr[sl] = s.transform(exp2_ftz(fmaf(z, scale, -st[sl].x)) * st[sl].y);
             }
             const float win = chunk_window_sum<Gc>(s, pr, pj0, T, t);
@@ -431,8 +440,8 @@ __global__ void __launch_bounds__(row_threads, score_tuning::blocks_per_sm)
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
               const std::int32_t t = tile + n0 + nt * 8 + (lane % 4) * 2;
-              z[2 * nt] = j < w && t < n && s.visible(pj, t) ? acc[nt][h * 2] : ninf;
-              z[2 * nt + 1] = j < w && t + 1 < n && s.visible(pj, t + 1) ? acc[nt][h * 2 + 1] : ninf;
+              z[2 * nt] = j < w && t < n && s.visible(pj, t) && held(t) ? acc[nt][h * 2] : ninf;
+              z[2 * nt + 1] = j < w && t + 1 < n && s.visible(pj, t + 1) && held(t + 1) ? acc[nt][h * 2 + 1] : ninf;
             }
           }
           if (by_logits) {

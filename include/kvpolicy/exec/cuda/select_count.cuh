@@ -24,6 +24,7 @@ struct count_inputs {
   std::int32_t T, candidates, protected_tokens, budget;
   head_index head;
   std::int32_t slot;  // the item's query_slot
+  std::int32_t live;  // tokens the head holds (cautious update; T without a live view): the most a row keeps
 };
 
 // No selector: every token is kept.
@@ -31,7 +32,7 @@ struct keep_all_count {
   struct storage {};
   template <class Sel>
   __device__ static std::int32_t keep_count(const Sel&, const count_inputs& in, storage&) {
-    return in.T;
+    return in.live;
   }
 };
 
@@ -40,19 +41,20 @@ struct budget_count {
   struct storage {};
   template <class Sel>
   __device__ static std::int32_t keep_count(const Sel& sel, const count_inputs& in, storage&) {
-    return budget_keep_count(sel, in.T, in.budget, in.head);
+    const std::int32_t k = budget_keep_count(sel, in.live, in.budget, in.head);
+    return k < in.live ? k : in.live;  // a budget past the held tokens
   }
 };
 
 // ScoreDependentSelector: the count from the row (block_selector_row), at least the
-// protected tokens and at most the row.
+// protected tokens and at most the tokens the row holds.
 struct score_dependent_count {
   using storage = selector_row_storage;
   template <class Sel>
   __device__ static std::int32_t keep_count(const Sel& sel, const count_inputs& in, storage& sh) {
     const block_selector_row row(in.s, in.raw, in.T, in.candidates, in.protected_tokens, in.head, in.slot, sh);
     const std::int32_t n = sel.row_keep_count(row, in.budget);
-    return n < in.protected_tokens ? in.protected_tokens : (n > in.T ? in.T : n);
+    return n < in.protected_tokens ? in.protected_tokens : (n > in.live ? in.live : n);
   }
 };
 

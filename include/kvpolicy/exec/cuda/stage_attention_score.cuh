@@ -41,6 +41,7 @@ struct attention_score_stage {
   struct plan_type : launch_plan {
     bool mma = false;               // on tensor cores
     bool wgmma = false;             // the wgmma variant (head dims 64 and 128, whole warpgroup tiles)
+    bool cautious = false;          // the instance that reads the live view
     std::int32_t key_splits = 1;    // blocks per row
   };
 
@@ -53,12 +54,16 @@ struct attention_score_stage {
     pl.mma = c.mma_scores();
     if (pl.mma) {
       pl.smem = attention_mma_smem_bytes(w, G, d, reduces_in_fragments(c.p.scorer.group, G));
-      pl.wgmma = c.constant_head_dim() && score_wgmma_fits(c.p.scorer.group, w, G);
+      // Cautious update (a live view) runs its own instance: mma.sync, run-time head dim.
+      pl.cautious = !c.cache.live.empty();
+      pl.wgmma = !pl.cautious && c.constant_head_dim() && score_wgmma_fits(c.p.scorer.group, w, G);
       pl.key_splits = c.opt.split_rows && statistics
                           ? score_key_splits(rows, c.max_tokens,
                                              std::int64_t{score_tuning::blocks_per_sm} * c.dev.multiprocessors)
                           : 1;
-      pl.kernel = pl.wgmma ? "attention_score_mma_kernel<wgmma>" : "attention_score_mma_kernel";
+      pl.kernel = pl.wgmma      ? "attention_score_mma_kernel<wgmma>"
+                  : pl.cautious ? "attention_score_mma_kernel<cautious>"
+                                : "attention_score_mma_kernel";
     } else {
       pl.smem = attention_smem_floats(w, G, d) * sizeof(float);
       pl.kernel = "attention_score_kernel";
@@ -89,6 +94,7 @@ struct attention_score_stage {
         cuda::launch(pl, a.stream, a.programmatic, kernel, c.p.scorer, c.cache, c.queries, a.rs, a.scores, a.ready_out,
                      a.block_stats, pl.key_splits, a.stats_ready);
       };
+      if (pl.cautious) return go(attention_score_mma_kernel<S, Elem, 0, false, true>);
       if constexpr (HeadDim > 0) {
         if (pl.wgmma) return go(attention_score_mma_kernel<S, Elem, HeadDim, true>);
       }

@@ -18,7 +18,9 @@ namespace host {
 // blocks of `to` (the sequence's own table, or fresh targets for a shared prefix),
 // with their F when `f` is not empty and their positions when the cache has them;
 // writes only slots whose place changes. F of the tokens in a shared prefix comes from
-// `prefix_f` (the new F, which the shared block must not take). Returns the kept count.
+// `prefix_f` (the new F, which the shared block must not take). With a live view (cautious
+// update) the row's slots [0, T) of `to` hold 1 where a kept token lands, else 0.
+// Returns the kept count.
 template <Layout L>
 std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f, std::span<const float> prefix_f,
                          const destination_table& to, std::int32_t layer, std::int32_t seq, std::int32_t head,
@@ -26,11 +28,14 @@ std::int32_t compact_row(const L& l, const paged_kv_view& c, const score_view& f
   const auto T = static_cast<std::int32_t>(keep.size());
   const std::int32_t b = c.block_size;
   const std::size_t bytes = static_cast<std::size_t>(c.row_bytes());
+  if (!c.live.empty())
+    for (std::int32_t t = 0; t < T; ++t) c.live.at(layer, to.block(t / b), t % b, head) = 0;
   std::int32_t kept = 0;
   for (std::int32_t t = 0; t < T; ++t) {
     if (!keep[t]) continue;
     const std::int32_t dst = l.destination(kept++);
     const std::int32_t from_block = c.physical_block(seq, t), to_block = to.block(dst / b);
+    if (!c.live.empty()) c.live.at(layer, to_block, dst % b, head) = 1;
     if (from_block == to_block && dst % b == t % b) continue;
     std::memmove(c.k_row_at(layer, to_block, dst % b, head), c.k_row_at(layer, from_block, t % b, head), bytes);
     std::memmove(c.v_row_at(layer, to_block, dst % b, head), c.v_row_at(layer, from_block, t % b, head), bytes);

@@ -27,6 +27,9 @@ inline std::int32_t fill_row(const paged_kv_view& c, const score_view& f, std::i
     if (!keep[t]) holes.push_back(t);
   for (std::int32_t t = T - 1; t >= k; --t)
     if (keep[t]) movers.push_back(t);
+  // Cautious update: the row is dense in [0, k) after the moves.
+  if (!c.live.empty())
+    for (std::int32_t t = 0; t < T; ++t) c.live.at(layer, c.physical_block(seq, t), t % b, head) = t < k;
   const std::size_t bytes = static_cast<std::size_t>(c.row_bytes());
   for (std::size_t i = 0; i < holes.size(); ++i) {
     const std::int32_t to = holes[i], from = movers[i];

@@ -47,11 +47,12 @@ inline void softmax(std::span<float> x) {
 }
 
 // score[t] for t in [0, n) with n = s.key_end(T), from the queries of one slot.
-// `keys` is gather_keys of the row.
+// `keys` is gather_keys of the row; `alive` (empty: every token) the tokens the head
+// still holds (cautious update): the others are masked like keys no query sees.
 template <AttentionScorer S>
 void attention_scores(const S& s, const query_window_view& q, std::int32_t layer, std::int32_t slot,
                       std::int32_t kv_head, std::int32_t num_kv_heads, std::span<const float> keys, std::int32_t T,
-                      std::int32_t d, std::span<float> out) {
+                      std::int32_t d, std::span<float> out, std::span<const std::uint8_t> alive = {}) {
   const std::int32_t n = s.key_end(T);
   const std::int32_t G = q.num_q_heads / num_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -66,7 +67,7 @@ void attention_scores(const S& s, const query_window_view& q, std::int32_t layer
       for (std::int32_t i = 0; i < d; ++i) qv[i] = load_as_float(row, q.type, i);
       float* z = logits.data() + std::size_t(g) * n;
       for (std::int32_t t = 0; t < n; ++t) {
-        if (!s.visible(pj, t)) {
+        if (!s.visible(pj, t) || (!alive.empty() && !alive[t])) {
           z[t] = ninf;
           continue;
         }

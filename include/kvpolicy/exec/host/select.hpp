@@ -35,36 +35,41 @@ inline std::int32_t count_nonfinite(std::span<const float> candidates) {
 }
 
 // How many tokens a row keeps. `s`: the final scores (after protect), `raw`: the
-// scorer's before aggregation; `must`: the protected tokens.
+// scorer's before aggregation; `must`: the protected tokens; `live`: the tokens the
+// head still holds (cautious update; the row's T without a live view), which bound it.
 template <Selector Sel>
 std::int32_t keep_count(const Sel& sel, std::span<const float> s, std::span<const float> raw,
                         std::int32_t candidates, std::int32_t must, std::int32_t budget, head_index head,
-                        std::int32_t slot = 0) {
-  const auto T = static_cast<std::int32_t>(s.size());
+                        std::int32_t slot, std::int32_t live) {
   if constexpr (std::same_as<Sel, none>) {
-    return T;
+    return live;
   } else if constexpr (ScoreDependentSelector<Sel>) {
     const std::int32_t n = sel.row_keep_count(selector_row(s, raw, candidates, must, head, slot), budget);
-    return std::clamp(n, must, T);
+    return std::clamp(n, must, live);
   } else {
-    return budget_keep_count(sel, T, budget, head);
+    return std::min(budget_keep_count(sel, live, budget, head), live);  // a budget past the held tokens
   }
 }
 
 // keep[t] = 1 for the `count` tokens of highest rank; every token without a selector.
+// `alive` (empty: every token): tokens a head dropped before rank below all others.
 template <Selector Sel>
-std::vector<std::uint8_t> select_top(const Sel& sel, std::span<const float> s, std::int32_t count) {
+std::vector<std::uint8_t> select_top(const Sel& sel, std::span<const float> s, std::int32_t count,
+                                     std::span<const std::uint8_t> alive = {}) {
   const auto T = static_cast<std::int32_t>(s.size());
   if constexpr (std::same_as<Sel, none>) {
+    if (!alive.empty()) return std::vector<std::uint8_t>(alive.begin(), alive.end());
     return std::vector<std::uint8_t>(static_cast<std::size_t>(T), 1);
   } else {
     std::vector<std::uint8_t> keep(static_cast<std::size_t>(T), 0);
     std::vector<float> key(static_cast<std::size_t>(T));
     for (std::int32_t t = 0; t < T; ++t) key[t] = sel.rank_key(s[t], t, T);
+    const auto held = [&](std::int32_t t) { return alive.empty() || alive[t] != 0; };
     std::vector<std::int32_t> order(static_cast<std::size_t>(T));
     std::iota(order.begin(), order.end(), 0);
-    std::nth_element(order.begin(), order.begin() + count, order.end(),
-                     [&](std::int32_t a, std::int32_t b) { return ranks_before(key[a], a, key[b], b); });
+    std::nth_element(order.begin(), order.begin() + count, order.end(), [&](std::int32_t a, std::int32_t b) {
+      return held(a) != held(b) ? held(a) : ranks_before(key[a], a, key[b], b);
+    });
     for (std::int32_t i = 0; i < count; ++i) keep[order[i]] = 1;
     return keep;
   }
