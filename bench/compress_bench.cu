@@ -21,6 +21,7 @@
 //   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
 //   e2e|stage/hard_kv/A[_reuse]     configuration A, hard_kv: temperatures solved at every call, or
 //                                   solved once and reused; e2e/hard_kv_rkv/A
+//   e2e|stage/hard_kv/A_cautious    A_reuse with a live view (cautious update) whose heads dropped 0..22%
 //   calibration/hard_kv/<I>/<T>     stage rows, every row's search run to I iterations (T = 2304, 9216),
 //                                   beside calibration/hard_kv/reuse/<T>: the epilogues' difference
 //   e2e|stage/kara/KvLLM            Kara at a KvLLM compression event: 30 windows of 768 tokens, 32 layers
@@ -315,6 +316,9 @@ struct shape {
   // run and reused by the timed ones (a request's later compressions); otherwise
   // solved at every call (its first).
   bool reuse_temperatures = false;
+  // Cautious update: a live view in which head h of every row dropped h / 32 of its
+  // tokens (a run from the middle on), as after an earlier head-adaptive compaction.
+  bool cautious = false;
   // Tokens each sequence holds (at most n_max blocks); 0: n_max full blocks.
   std::int32_t length = 0;
   // Budget of every item; 0: Zipage's (N_max - 1) b.
@@ -371,7 +375,7 @@ struct bench_case {
   shape s;
   std::int32_t num_blocks = 0, max_blocks = 0;
   std::size_t kv_elems = 0, q_elems = 0, f_elems = 0;
-  dbuf kv, kv0, q, f, f0, table, lengths, items, layer_ptrs;
+  dbuf kv, kv0, q, f, f0, live, live0, table, lengths, items, layer_ptrs;
   dbuf status, new_lengths, released_counts, released_blocks, keep, final_scores;
   dbuf temp;
   dbuf temperatures, outcomes;  // calibrated top-p's state, [slots = seqs, L, h_kv]
@@ -442,6 +446,20 @@ struct bench_case {
     } else {
       cache = kvp::layouts::nano_vllm(kv.get(), cs, seqs);
     }
+    if (s.cautious) {
+      // [L, num_blocks, b, h_kv] as F: the engine's state, put back by restore().
+      std::vector<std::uint8_t> h_live(f_elems, 1);
+      for (std::int32_t seq = 0; seq < s.seqs; ++seq)
+        for (std::int32_t l = 0; l < s.layers; ++l)
+          for (std::int32_t h = 0; h < s.kv_heads; ++h)
+            for (std::int32_t t = T / 2; t < T / 2 + h * T / 32; ++t) {
+              const std::size_t blk = std::size_t(h_table[std::size_t(seq) * max_blocks + t / b]);
+              h_live[((std::size_t(l) * num_blocks + blk) * b + t % b) * s.kv_heads + h] = 0;
+            }
+      live0 = upload(h_live);
+      live = dbuf(h_live.size());
+      cache.live = kvp::live_view::contiguous(live.get<std::uint8_t>(), num_blocks, b, s.kv_heads);
+    }
     queries = kvp::query_window_view::contiguous(q.get(), s.layers, s.seqs, s.window, s.q_heads, s.head_dim, s.type);
     scores = kvp::score_view::contiguous(f.get<float>(), num_blocks, b, s.kv_heads);
     batch = {items.get<kvp::batch_item>(), s.seqs, T, 0, 0};
@@ -472,6 +490,8 @@ struct bench_case {
   // not F, which the compression reads.
   void restore() {
     KVP_BENCH_CHECK(cudaMemcpyAsync(f.get(), f0.get(), f.bytes(), cudaMemcpyDeviceToDevice, stream));
+    if (s.cautious)
+      KVP_BENCH_CHECK(cudaMemcpyAsync(live.get(), live0.get(), live.bytes(), cudaMemcpyDeviceToDevice, stream));
     KVP_BENCH_CHECK(cudaMemcpyAsync(kv.get(), kv0.get(), kv.bytes(), cudaMemcpyDeviceToDevice, stream));
   }
 
@@ -851,6 +871,12 @@ void register_all() {
     add_row("stage/hard_kv/A", kvp::presets::hard_kv{}, a, row_kind::stage, 30);
     add_row("stage/hard_kv/A_reuse", kvp::presets::hard_kv{}, reuse, row_kind::stage, 30);
     add_row("e2e/hard_kv_rkv/A", kvp::presets::hard_kv_rkv{}, a, row_kind::e2e, 3);
+    // Cautious update: a later compression (temperatures reused) over heads that
+    // dropped tokens before; against A_reuse, the cost of reading the live view.
+    shape cautious = reuse;
+    cautious.cautious = true;
+    add_row("e2e/hard_kv/A_cautious", kvp::presets::hard_kv{}, cautious, row_kind::e2e, 30);
+    add_row("stage/hard_kv/A_cautious", kvp::presets::hard_kv{}, cautious, row_kind::stage, 30);
     // The search's cost against its iterations and the row length: a tolerance no mass
     // meets makes every row run all of them (after the two bound checks).
     for (int n_max : {9, 36}) {
