@@ -18,6 +18,14 @@
 // the earlier heavy hitters. Per sequence it prints what was kept, and per stage
 // how long it took.
 //
+// `--preset hard_kv` keeps a count per (layer, KV head): each head's slots past its
+// own count hold tokens it dropped. The demo keeps the engine's live bytes
+// (paged_kv_view::live, cautious update: 1 where a head still holds its token), writes
+// 1 for every head of each token it appends, and so can compress such a cache again:
+// per round it prints seq 0's counts and checks that every head holds a subset of the
+// tokens it held before. `hard_kv_rkv` runs one round: cautious update takes no
+// redundancy stage.
+//
 // `--preset kara` compresses a window of each sequence instead of the whole cache
 // (Kara, KvLLM): the last `--window` tokens in whole blocks before the last, partial
 // block, after context that is never read or written again. trigger::periodic makes
@@ -37,15 +45,15 @@
 // only. Compiled as CUDA (compress_demo.cu includes this file; examples/CMakeLists.txt
 // builds kvpolicy_demo from it when CUDA is enabled) it also has `--device cuda`,
 // the default when a GPU is present: the demo copies K/V (and, for vllm_flash, a
-// table of the per-layer device addresses), the block table, lengths, queries, F and
-// the batch to the GPU, runs kvp::cuda_executor once to warm up and once timed (on
-// the same input), and copies K/V, F and the keep masks back into its host buffers,
-// so the statistics and the "kept K/V rows moved intact" check read the GPU's result.
-// Stage times on the GPU are CUDA events around the kernels (copies excluded); the
-// aggregate is fused into the select kernel there. `--device both` runs both
-// executors on identical copies of the cache, prints their stage times side by side
-// and compares their keep masks, lengths, released blocks and K/V bytes; the demo
-// goes on with the GPU's result.
+// table of the per-layer device addresses), the block table, lengths, queries, F, the
+// live bytes (hard_kv) and the batch to the GPU, runs kvp::cuda_executor once to warm
+// up and once timed (on the same input), and copies K/V, F, the live bytes and the
+// keep masks back into its host buffers, so the statistics and the "kept K/V rows
+// moved intact" check read the GPU's result. Stage times on the GPU are CUDA events
+// around the kernels (copies excluded); the aggregate is fused into the select kernel
+// there. `--device both` runs both executors on identical copies of the cache, prints
+// their stage times side by side and compares their keep masks, lengths, released
+// blocks, K/V bytes and live bytes; the demo goes on with the GPU's result.
 //
 //   kvpolicy_demo [--preset zipage|rkv|gkv|snapkv|h2o|streaming_llm|hard_kv|hard_kv_rkv|kara|kv_compress]
 //                 [--device cuda|host|both] [--layout nano_vllm|vllm_flash] [--dtype bf16|f16|f32]
@@ -60,6 +68,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -147,20 +156,23 @@ struct usage_error : std::runtime_error {
 
 constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
   --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm,
-                    hard_kv, hard_kv_rkv (per-head counts: one round, the counts printed),
+                    hard_kv (per-head counts, printed each round; later rounds skip
+                    the tokens each head dropped), hard_kv_rkv (per-head counts, one
+                    round: cautious update takes no redundancy stage),
                     kara (a window of each sequence; Token2Chunk drawn per round),
                     kv_compress (a per-head block cache, one compression; per-head lengths)
   --device NAME     cuda: the CUDA executor (the default when the demo is built with
                     CUDA and a GPU is present); host: the host executor (the default
                     otherwise); both: host and cuda on identical copies of the cache,
-                    stage times side by side, keep masks and K/V bytes compared
+                    stage times side by side, keep masks, K/V and live bytes compared
   --layout NAME     nano_vllm (default) or vllm_flash
   --dtype NAME      bf16 (default), f16, f32
   --seqs N          sequences (4)          --layers N      layers (2)
   --kv-heads N      KV heads (2)           --q-heads N     query heads (8)
   --head-dim N      head dimension (64)    --block-size N  tokens per block (16)
   --n-max N         Zipage's block cap N_max (9): budget (N_max - 1) * block size
-  --rounds N        compressions per sequence (2); later rounds append tokens first
+  --rounds N        compressions per sequence (2; hard_kv_rkv: 1 only); later rounds
+                    append tokens first
   --append N        tokens appended before each later round (two blocks, or
                     one block more than the preset's protected window)
   --seed N          random seed (1)
@@ -285,6 +297,16 @@ using any_preset = std::variant<kvp::presets::zipage, kvp::presets::rkv, kvp::pr
 template <class P>
 constexpr bool windowed = kvp::window_only<typename P::layout_type>();
 
+// Whether a preset keeps a count per (layer, KV head), leaving each head's slots past
+// its own count to tokens it dropped.
+template <class P>
+constexpr bool per_head = kvp::ScoreDependentSelector<typename P::select_type>;
+
+// Whether its later rounds can skip those: cautious update (the engine's live bytes,
+// paged_kv_view::live) takes no redundancy stage, so hard_kv_rkv gets one round.
+template <class P>
+constexpr bool cautious = per_head<P> && std::same_as<typename P::redundancy_type, kvp::none>;
+
 any_preset make_preset(const options& o) {
   const std::string_view name = o.preset;
   if (name == "kara") {
@@ -328,12 +350,14 @@ struct demo_cache {
   std::vector<std::byte> kv;             // all K and V bytes
   std::vector<void*> layer_tensors;      // vllm_flash: one `[2, NB, b, h, d]` tensor per layer
   std::vector<float> f;                  // the global score F, `[L, NB, b, h_kv]`
+  std::vector<std::uint8_t> live;        // cautious presets: which slots each head holds, as F; else empty
   std::vector<std::byte> q;              // observation queries, `[L, seqs, w, h_q, d]`
   std::vector<i32> table;                // `[seqs, max_blocks]`, -1 where unused
   std::vector<i32> lengths;              // tokens per sequence
   std::vector<i32> free_blocks;          // the engine's free list
   std::vector<std::vector<token_info>> tokens;  // per sequence, by token id
-  std::vector<std::vector<i32>> ids;     // per (seq, layer, KV head) row: token id at each position
+  std::vector<std::vector<i32>> ids;     // per (seq, layer, KV head) row: token id at each position, -1
+                                         // where the head dropped its token (per-head counts)
   std::vector<std::vector<std::vector<float>>> dirs;  // per (layer, KV head): [0] sinks, [r] topic r
   std::mt19937_64 rng;
 
@@ -347,7 +371,8 @@ struct demo_cache {
 };
 
 // The views over one copy of the demo's buffers, host or device: the same
-// constructors whatever the memory. `kv` is that copy of demo_cache::kv.
+// constructors whatever the memory. `kv` is that copy of demo_cache::kv, `live` of
+// demo_cache::live (null when that is empty).
 std::vector<void*> layer_pointers(const demo_cache& c, std::byte* kv) {
   std::vector<void*> p;
   if (c.o.layout == "vllm_flash") {
@@ -359,11 +384,13 @@ std::vector<void*> layer_pointers(const demo_cache& c, std::byte* kv) {
 }
 
 kvp::paged_kv_view cache_view(const demo_cache& c, std::byte* kv, void* const* layers, const i32* table,
-                              const i32* lengths) {
+                              const i32* lengths, std::uint8_t* live) {
   const kvp::sequence_table seqs{
       .table = kvp::block_table_view::dense(table, c.max_blocks), .lengths = lengths, .num_seqs = c.o.seqs};
-  return c.o.layout == "vllm_flash" ? kvp::layouts::vllm_flash(layers, c.shape, seqs)
-                                    : kvp::layouts::nano_vllm(kv, c.shape, seqs);
+  kvp::paged_kv_view v = c.o.layout == "vllm_flash" ? kvp::layouts::vllm_flash(layers, c.shape, seqs)
+                                                    : kvp::layouts::nano_vllm(kv, c.shape, seqs);
+  if (live) v.live = kvp::live_view::contiguous(live, c.shape.num_blocks, c.shape.block_size, c.o.kv_heads);
+  return v;
 }
 
 kvp::query_window_view query_view(const demo_cache& c, const std::byte* q) {
@@ -407,11 +434,16 @@ struct cache_size {
 };
 
 // Whole-cache presets: initial_blocks at first, later the budget plus a round's append.
-cache_size whole_cache_size(const options& o, i32 budget) {
+// A per-head preset's length is its largest count, which only the tokens its heads
+// hold bound: its sequences may keep every round's append.
+cache_size whole_cache_size(const options& o, i32 budget, bool per_head_counts) {
   const i32 b = o.block_size;
+  const i32 rounds_kept = per_head_counts ? std::max(o.rounds - 1, 1) : 1;
+  const i32 grow = (rounds_kept * o.append + b - 1) / b;  // blocks a sequence may gain
   i32 total = 0;
   for (i32 s = 0; s < o.seqs; ++s) total += initial_blocks(o, s);
-  return {std::max(o.n_max + 2, (budget + o.append + b - 1) / b), total + o.seqs * ((o.append + b - 1) / b) + 4};
+  const i32 row = per_head_counts ? o.n_max + 2 + grow : (budget + o.append + b - 1) / b;
+  return {std::max(o.n_max + 2, row), total + o.seqs * grow + 4};
 }
 
 // Kara's sequences: context before the window (1 to 3 blocks, the sinks among it),
@@ -435,7 +467,7 @@ struct kara_shape {
   }
 };
 
-demo_cache make_cache(const options& o, cache_size size, i32 window) {
+demo_cache make_cache(const options& o, cache_size size, i32 window, bool with_live) {
   demo_cache c;
   c.o = o;
   c.rng.seed(o.seed);
@@ -450,6 +482,7 @@ demo_cache make_cache(const options& o, cache_size size, i32 window) {
   const std::size_t per_layer = std::size_t(num_blocks) * b * o.kv_heads * o.head_dim;  // one of K or V
   c.kv.assign(2 * o.layers * per_layer * elem, std::byte{0});
   c.f.assign(std::size_t(o.layers) * num_blocks * b * o.kv_heads, 0.0f);
+  if (with_live) c.live.assign(c.f.size(), 0);  // a slot is live once a token is appended to it
   c.q.assign(std::size_t(o.layers) * o.seqs * c.query_window * o.q_heads * o.head_dim * elem, std::byte{0});
   c.table.assign(std::size_t(o.seqs) * c.max_blocks, -1);
   c.lengths.assign(static_cast<std::size_t>(o.seqs), 0);
@@ -463,7 +496,8 @@ demo_cache make_cache(const options& o, cache_size size, i32 window) {
 
   // The views: constructors of one paged_kv_view over the engine's own memory.
   c.layer_tensors = layer_pointers(c, c.kv.data());
-  c.cache = cache_view(c, c.kv.data(), c.layer_tensors.data(), c.table.data(), c.lengths.data());
+  c.cache = cache_view(c, c.kv.data(), c.layer_tensors.data(), c.table.data(), c.lengths.data(),
+                       with_live ? c.live.data() : nullptr);
   c.queries = query_view(c, c.q.data());
   c.scores = f_view(c, c.f.data());
 
@@ -558,6 +592,8 @@ void append_tokens(demo_cache& c, i32 seq, i32 count, i32 round, i32 window) {
           kvp::store_from_float(vrow, o.type, i, unit(c.rng));
         }
         ids.push_back(first_id + k);
+        // Cautious update: every head holds what the engine appends.
+        if (!c.cache.live.empty()) c.cache.live.at(l, c.cache.physical_block(seq, len + k), (len + k) % b, h) = 1;
       }
     }
 
@@ -674,13 +710,15 @@ struct stage_events {
 };
 
 // One compression with kvp::cuda_executor, from the demo's host buffers (read only)
-// to `kv_out` and `f_out` (which may be c.kv and c.f themselves). Returns what the
-// host executor would: new lengths, released blocks, keep masks in the host layout
-// `[layer][kv_head][T]` (T the window's tokens for a windowed preset), the final
-// scores in the same layout when asked for, and the GPU time per stage.
+// to `kv_out`, `f_out` and `live_out` (which may be c.kv, c.f and c.live themselves;
+// `live_out` stays empty where c.live is). Returns what the host executor would: new
+// lengths, released blocks, keep masks in the host layout `[layer][kv_head][T]` (T
+// the window's tokens for a windowed preset), the final scores in the same layout when
+// asked for, and the GPU time per stage.
 template <class Preset>
 kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::compression_batch& batch,
-                               std::vector<std::byte>& kv_out, std::vector<float>& f_out, bool want_scores) {
+                               std::vector<std::byte>& kv_out, std::vector<float>& f_out,
+                               std::vector<std::uint8_t>& live_out, bool want_scores) {
   const auto num_items = static_cast<i32>(batch.items.size());
   const std::size_t rows = std::size_t(c.o.layers) * c.o.kv_heads;  // the batch covers every layer
   i32 max_tokens = 1;
@@ -689,14 +727,16 @@ kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::
   const std::vector<kvp::batch_item> items(batch.items.begin(), batch.items.end());
 
   // The cache on the device: K/V bytes, per-layer device addresses (vllm_flash),
-  // block table, lengths; the queries, F and the batch.
+  // block table, lengths, live bytes; the queries, F and the batch.
   device_buffer<std::byte> kv(c.kv), q(c.q);
   device_buffer<float> f(c.f);
   device_buffer<i32> table(c.table), lengths(c.lengths);
+  device_buffer<std::uint8_t> live(c.live);
   const std::vector<void*> layer_addrs = layer_pointers(c, kv.get());
   device_buffer<void*> layers(layer_addrs);
   device_buffer<kvp::batch_item> d_items(items);
-  const kvp::paged_kv_view cache = cache_view(c, kv.get(), layers.get(), table.get(), lengths.get());
+  const kvp::paged_kv_view cache = cache_view(c, kv.get(), layers.get(), table.get(), lengths.get(),
+                                              c.live.empty() ? nullptr : live.get());
   const kvp::query_window_view queries = query_view(c, q.get());
   const kvp::score_view scores = f_view(c, f.get());
 
@@ -734,10 +774,12 @@ kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::
     }
   };
   // Warm-up: the first launch of each kernel loads the module. It compresses the
-  // device copy in place, so K/V and F are uploaded again before the timed run.
+  // device copy in place, so K/V, F and the live bytes are uploaded again before the
+  // timed run.
   run_once();
   kv.upload(c.kv);
   f.upload(c.f);
+  live.upload(c.live);
   run_once();
 
   kvp::host_result res;
@@ -750,6 +792,7 @@ kvp::host_result compress_cuda(const Preset& p, const demo_cache& c, const kvp::
 
   kv.download(kv_out);
   f.download(f_out);
+  live.download(live_out);
   std::vector<i32> h_new, h_counts, h_blocks, h_kept;
   std::vector<std::uint8_t> h_keep;
   std::vector<float> h_scores;
@@ -804,7 +847,8 @@ gpu_info probe_gpu() {
 struct agreement {
   long mask_rows = 0, mask_rows_differ = 0, mask_tokens_differ = 0;
   long items_differ = 0;                   // new length or released blocks
-  long kv_rows = 0, kv_rows_differ = 0;    // live (token, head) rows of K and V, in rows whose masks agree
+  long kv_rows = 0, kv_rows_differ = 0;    // held (token, head) rows of K and V, in rows whose masks agree
+  long live_rows = 0, live_rows_differ = 0;  // cautious presets: (layer, KV head) rows of live bytes, likewise
   double f_max_diff = 0.0;                 // over all of F
 };
 
@@ -846,20 +890,22 @@ outcome compress_on(device dev, const Preset& p, demo_cache& c, const kvp::compr
   }
 #if defined(__CUDACC__)
   if (dev == device::cuda) {
-    out.res = compress_cuda(p, c, batch, c.kv, c.f, want_scores);
+    out.res = compress_cuda(p, c, batch, c.kv, c.f, c.live, want_scores);
     widen_masks(out.res, batch, c);
     out.gpu_times = out.res.times;
     return out;
   }
-  // both: the host executor on a copy of K/V and F, the GPU's result back into the
-  // demo's own buffers. The block table and lengths are the engine's to update, so
-  // both executors read the same ones.
+  // both: the host executor on a copy of K/V, F and the live bytes, the GPU's result
+  // back into the demo's own buffers. The block table and lengths are the engine's to
+  // update, so both executors read the same ones.
   std::vector<std::byte> kv_h(c.kv);
   std::vector<float> f_h(c.f);
+  std::vector<std::uint8_t> live_h(c.live);
   const std::vector<void*> layers_h = layer_pointers(c, kv_h.data());
-  const kvp::paged_kv_view cache_h = cache_view(c, kv_h.data(), layers_h.data(), c.table.data(), c.lengths.data());
+  const kvp::paged_kv_view cache_h = cache_view(c, kv_h.data(), layers_h.data(), c.table.data(), c.lengths.data(),
+                                                live_h.empty() ? nullptr : live_h.data());
   kvp::host_result h = host.compress(p, cache_h, c.queries, f_view(c, f_h.data()), batch);
-  out.res = compress_cuda(p, c, batch, c.kv, c.f, want_scores);
+  out.res = compress_cuda(p, c, batch, c.kv, c.f, c.live, want_scores);
   widen_masks(h, batch, c);
   widen_masks(out.res, batch, c);
   out.host_times = h.times;
@@ -881,10 +927,20 @@ outcome compress_on(device dev, const Preset& p, demo_cache& c, const kvp::compr
       a.mask_tokens_differ += tokens;
       if (tokens > 0 || !same_item) continue;
       for (i32 t = 0; t < n; ++t) {
+        if (!c.cache.alive(l, seq, t, hd)) continue;  // a slot the head dropped holds no token of it
         a.kv_rows += 2;
         a.kv_rows_differ += std::memcmp(cache_h.k_row(l, seq, t, hd), c.cache.k_row(l, seq, t, hd), row_bytes) != 0;
         a.kv_rows_differ += std::memcmp(cache_h.v_row(l, seq, t, hd), c.cache.v_row(l, seq, t, hd), row_bytes) != 0;
       }
+      // The live bytes both layouts wrote: every slot of the row before the compression.
+      if (c.cache.live.empty()) continue;
+      bool live_same = true;
+      for (i32 t = 0; t < T; ++t) {
+        const i32 blk = c.cache.physical_block(seq, t);
+        live_same &= cache_h.live.at(l, blk, t % c.o.block_size, hd) == c.cache.live.at(l, blk, t % c.o.block_size, hd);
+      }
+      ++a.live_rows;
+      a.live_rows_differ += !live_same;
     }
   }
   for (std::size_t k = 0; k < f_h.size(); ++k)
@@ -919,10 +975,17 @@ void print_mask(const demo_cache& c, i32 seq, std::span<const std::uint8_t> keep
   const auto& ids = c.ids[c.row(seq, 0, 0)];
   const i32 b = c.o.block_size, round_now = c.tokens[seq].back().round;
   std::string roles, kept;
+  bool dropped = false;
   for (std::size_t t = 0; t < ids.size(); ++t) {
     if (t > 0 && t % b == 0) {
       roles += ' ';
       kept += ' ';
+    }
+    kept += keep[t] ? '#' : '_';
+    if (ids[t] < 0) {
+      roles += 'x';
+      dropped = true;
+      continue;
     }
     const token_info& ti = c.tokens[seq][ids[t]];
     char ch = '.';
@@ -934,12 +997,11 @@ void print_mask(const demo_cache& c, i32 seq, std::span<const std::uint8_t> keep
       default: break;
     }
     roles += ch;
-    kept += keep[t] ? '#' : '_';
   }
   const std::size_t width = 4 * (b + 1);  // four blocks a line
   say("  keep map, seq {} layer 0 KV head 0 (S sink, H heavy, h earlier heavy, d older repeat, "
-      "D newest repeat; # kept, _ evicted)\n",
-      seq);
+      "D newest repeat{}; # kept, _ evicted)\n",
+      seq, dropped ? ", x dropped by this head in an earlier round" : "");
   for (std::size_t i = 0; i < roles.size(); i += width) {
     say("    {}\n    {}\n", roles.substr(i, width), kept.substr(i, width));
   }
@@ -1020,10 +1082,14 @@ void print_agreement(const agreement& a) {
                           ? str("keep masks identical in all {} (layer, KV head) rows", a.mask_rows)
                           : str("keep masks differ in {} of {} rows, {} tokens (near-ties of fp32 scores)",
                                 a.mask_rows_differ, a.mask_rows, a.mask_tokens_differ);
-  say("  host vs cuda: {}; new lengths and released blocks {}; kept K/V rows {}; F max |host - gpu| {:.3g}\n", masks,
-      a.items_differ == 0 ? std::string("identical") : str("differ in {} items", a.items_differ),
+  say("  host vs cuda: {}; new lengths and released blocks {}; kept K/V rows {}{}; F max |host - gpu| {:.3g}\n",
+      masks, a.items_differ == 0 ? std::string("identical") : str("differ in {} items", a.items_differ),
       a.kv_rows_differ == 0 ? str("byte-identical ({} rows of K and V)", a.kv_rows)
                             : str("DIFFER: {} of {} rows whose masks agree", a.kv_rows_differ, a.kv_rows),
+      a.live_rows == 0 ? std::string()
+      : a.live_rows_differ == 0
+          ? str("; live bytes identical ({} rows)", a.live_rows)
+          : str("; live bytes DIFFER in {} of {} rows whose masks agree", a.live_rows_differ, a.live_rows),
       a.f_max_diff);
 }
 
@@ -1070,19 +1136,31 @@ void print_times(const std::vector<round_times>& rounds, const std::string& gpu_
     say("  gpu: score includes the validation kernel; select is the fused epilogue (aggregate, protect, select)\n");
 }
 
-// Hands released blocks back, trims the table, and follows each row's kept tokens.
 // A head-adaptive selector's counts for the first sequence: one row per layer, one
 // column per KV head; the sequence keeps the largest, and each head's slots past its
 // own count are padding its attention skips (docs/integration.md, "Per-head counts").
-void print_head_counts(const options& o, i32 T, const std::vector<i32>& kept, i32 new_length) {
-  say("tokens kept per (layer, KV head) of seq 0, of {} (the sequence keeps {}, the largest):\n", T, new_length);
+// `held`: the tokens each head held of the T slots; after a first round, fewer than T.
+void print_head_counts(const options& o, i32 T, const std::vector<i32>& held, const std::vector<i32>& kept,
+                       i32 new_length) {
+  const bool all_held = std::ranges::all_of(held, [T](i32 n) { return n == T; });
+  if (all_held)
+    say("tokens kept per (layer, KV head) of seq 0, of {} (the sequence keeps {}, the largest):\n", T, new_length);
+  else
+    say("tokens kept per (layer, KV head) of seq 0, of those it held (kept/held) in {} slots (the sequence keeps "
+        "{}, the largest):\n",
+        T, new_length);
   for (i32 l = 0; l < o.layers; ++l) {
     std::string line = str("  layer {:>2}:", l);
-    for (i32 h = 0; h < o.kv_heads; ++h) line += str(" {:>5}", kept[std::size_t(l) * o.kv_heads + h]);
+    for (i32 h = 0; h < o.kv_heads; ++h) {
+      const std::size_t row = std::size_t(l) * o.kv_heads + h;
+      line += all_held ? str(" {:>5}", kept[row]) : str(" {:>9}", str("{}/{}", kept[row], held[row]));
+    }
     say("{}\n", line);
   }
 }
 
+// Hands released blocks back, trims the table, and follows each row's kept tokens: a
+// head that keeps fewer than the new length holds no token in its slots past its count.
 void apply_result(demo_cache& c, const kvp::compression_batch& batch, const kvp::host_result& res) {
   const options& o = c.o;
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
@@ -1098,9 +1176,45 @@ void apply_result(demo_cache& c, const kvp::compression_batch& batch, const kvp:
         std::vector<i32> next;
         for (i32 t = 0; t < T; ++t)
           if (keep[t]) next.push_back(ids[t]);
+        next.resize(static_cast<std::size_t>(n), -1);
         ids = std::move(next);
       }
   }
+}
+
+// Cautious update: the token ids each (layer, KV head) row of seq holds (its live
+// slots), sorted.
+std::vector<std::vector<i32>> held_tokens(const demo_cache& c, i32 seq) {
+  std::vector<std::vector<i32>> held;
+  for (i32 l = 0; l < c.o.layers; ++l)
+    for (i32 h = 0; h < c.o.kv_heads; ++h) {
+      const auto& ids = c.ids[c.row(seq, l, h)];
+      auto& row = held.emplace_back();
+      for (i32 t = 0; t < c.lengths[seq]; ++t)
+        if (c.cache.alive(l, seq, t, h)) row.push_back(ids[t]);
+      std::ranges::sort(row);
+    }
+  return held;
+}
+
+// Cautious update's promise, checked after apply_result: a dropped token stays
+// dropped. Each row holds a subset of the tokens `before` says it held, and its live
+// bytes mark exactly the slots its keep mask filled (else the next round would score
+// a slot the demo counts as dropped, or skip a token it counts as held). Returns the
+// slots that break either.
+long held_violations(const demo_cache& c, i32 seq, const std::vector<std::vector<i32>>& before) {
+  long bad = 0;
+  for (i32 l = 0; l < c.o.layers; ++l)
+    for (i32 h = 0; h < c.o.kv_heads; ++h) {
+      const auto& ids = c.ids[c.row(seq, l, h)];
+      const auto& was = before[std::size_t(l) * c.o.kv_heads + h];
+      for (i32 t = 0; t < c.lengths[seq]; ++t) {
+        const bool live = c.cache.alive(l, seq, t, h);
+        if (live != (ids[t] >= 0)) ++bad;
+        else if (live && !std::ranges::binary_search(was, ids[t])) ++bad;
+      }
+    }
+  return bad;
 }
 
 // The bytes of every (token, head) row of K and V of a sequence, to check the moves.
@@ -1173,14 +1287,21 @@ int run(options o) {
   std::string dev_note;
   const device dev = choose_device(o, gpu, dev_note);
 
-  // Per-head counts leave each head's slots past its own count unused; a later round
-  // would need the engine's per-head valid state, which this demo does not keep.
-  const bool per_head_counts = std::visit(
-      [](const auto& p) { return kvp::ScoreDependentSelector<std::remove_cvref_t<decltype(p.select)>>; }, preset);
-  if (per_head_counts && o.rounds > 1) {
+  // Per-head counts leave each head's slots past its own count to tokens it dropped;
+  // a later round skips them through the live bytes (cautious update), which the demo
+  // keeps where the library supports them.
+  const auto [per_head_counts, with_live] = std::visit(
+      [](const auto& p) {
+        using P = std::remove_cvref_t<decltype(p)>;
+        return std::pair<bool, bool>{per_head<P>, cautious<P>};
+      },
+      preset);
+  if (per_head_counts && !with_live && o.rounds > 1) {
     if (o.rounds_given)
-      throw usage_error(str("--rounds {}: preset {} keeps a count per head; the demo runs it for one round", o.rounds,
-                            o.preset));
+      throw usage_error(str("--rounds {}: preset {} keeps a count per head and has a redundancy stage, which "
+                            "cautious update (the live bytes that let a later round skip each head's dropped "
+                            "tokens) does not support; the demo runs it for one round",
+                            o.rounds, o.preset));
     o.rounds = 1;
   }
   const i32 b = o.block_size;
@@ -1210,8 +1331,9 @@ int run(options o) {
   // By default each later round appends at least one block beyond the protected
   // window, so that some of its new tokens are up for eviction at once.
   if (o.append == 0) o.append = std::max(2 * b, (protect_window + b - 1) / b * b + b);
-  demo_cache c = make_cache(o, is_windowed ? kara.size(o.seqs, o.rounds) : whole_cache_size(o, budget),
-                            std::max(protect_window, score_window));
+  demo_cache c =
+      make_cache(o, is_windowed ? kara.size(o.seqs, o.rounds) : whole_cache_size(o, budget, per_head_counts),
+                 std::max(protect_window, score_window), with_live);
 
   const std::string executor = dev == device::host   ? std::string("host executor")
                                : dev == device::cuda ? str("cuda executor on {}", gpu.name)
@@ -1280,6 +1402,9 @@ int run(options o) {
   if (is_windowed)
     say("  kara: the sinks and what earlier rounds kept lie before the window, never read or written again;\n"
         "         the planted tokens of each round lie in its window's first |W| - |U| tokens\n");
+  if (with_live)
+    say("  {}: each head counts only the tokens it still holds; one it dropped in an earlier round stays dropped\n",
+        o.preset);
   if (dev == device::both)
     say("both executors compress identical copies of each round's cache; the statistics are the cuda executor's,\n"
         "and the demo goes on with its result\n");
@@ -1288,7 +1413,7 @@ int run(options o) {
     say("  {:>3}  {:>10}  {:>7}  {:>8}  {:>5}  {:>5}  {:>13}  {:>12}  {:>11}\n", cells...);
   };
   std::vector<round_times> times;
-  long bad_rows = 0, masks_differ = 0, kv_differ = 0, windows_differ = 0;
+  long bad_rows = 0, masks_differ = 0, kv_differ = 0, live_differ = 0, windows_differ = 0, drop_violations = 0;
   // Kara's sequences as an engine tracks them: trigger::periodic (Kara C.4) makes the
   // window items (window_begin, the budget within the window) at each compression
   // event. A round appends its tokens at once; the event's step moves on as if each
@@ -1300,6 +1425,9 @@ int run(options o) {
     for (i32 s = 0; s < o.seqs; ++s) running.push_back({.seq = s, .query_slot = s, .length = c.lengths[s]});
   std::int64_t step = (o.window / periodic.period + 1) * periodic.period;  // the first event past the window
   std::vector<i32> appended(static_cast<std::size_t>(o.seqs), 0);
+  // Whole-cache presets: the length each sequence's last compression left (its next
+  // history_tokens; 0 before the first).
+  std::vector<i32> compressed(static_cast<std::size_t>(o.seqs), 0);
   for (i32 round = 1; round <= o.rounds; ++round) {
     if (round > 1) {
       i32 most = 0;
@@ -1321,14 +1449,21 @@ int run(options o) {
       if (items.size() != static_cast<std::size_t>(o.seqs))
         throw std::logic_error(str("demo: {} of {} sequences due at step {}", items.size(), o.seqs, step));
     } else {
+      // A per-head preset's sequence may hold fewer tokens than the budget in a later
+      // round, and an item's budget is at most its length (calibrated_top_p reads it
+      // only with union_top_k).
       for (i32 s = 0; s < o.seqs; ++s)
-        items.push_back({.seq = s, .query_slot = s, .budget = budget, .history_tokens = round == 1 ? 0 : budget});
+        items.push_back(
+            {.seq = s, .query_slot = s, .budget = std::min(budget, c.lengths[s]), .history_tokens = compressed[s]});
     }
     const kvp::compression_batch batch{.items = items};
 
     std::vector<i32> len_before(c.lengths);
     std::vector<std::vector<std::byte>> before;
     for (i32 s = 0; s < o.seqs; ++s) before.push_back(snapshot(c, s));
+    std::vector<std::vector<std::vector<i32>>> held_before;  // per item: the tokens each row holds
+    if (with_live)
+      for (const kvp::batch_item& it : items) held_before.push_back(held_tokens(c, it.seq));
 
     const outcome oc = std::visit([&](const auto& p) { return compress_on(dev, p, c, batch); }, preset);
     const kvp::host_result& res = oc.res;
@@ -1350,10 +1485,13 @@ int run(options o) {
       say("{}\n", line);
     } else {
       say("\nround {}: {}\n", round,
-          round == 1 ? std::string("first compression, history_tokens 0")
-                     : str("{} tokens appended on a new topic; history_tokens {}: F holds the scores of "
-                           "positions [0, {})",
-                           o.append, budget, budget));
+          round == 1  ? std::string("first compression, history_tokens 0")
+          : with_live ? str("{} tokens appended on a new topic, live in every head; history_tokens: the length "
+                            "each sequence's last compression left",
+                            o.append)
+                      : str("{} tokens appended on a new topic; history_tokens {}: F holds the scores of "
+                            "positions [0, {})",
+                            o.append, budget, budget));
     }
     print_row("seq", "tokens", "blocks", "released", "sinks", "heavy", "earlier heavy", "older copies", "newest copy");
     seq_report total;
@@ -1365,6 +1503,7 @@ int run(options o) {
           const auto& ids = c.ids[c.row(seq, l, h)];
           const std::uint8_t* keep = &res.keep_masks[i][(std::size_t(l) * o.kv_heads + h) * T];
           for (i32 t = 0; t < T; ++t) {
+            if (ids[t] < 0) continue;  // dropped by this head in an earlier round: no token of it
             const token_info& ti = c.tokens[seq][ids[t]];
             const bool k = keep[t] != 0;
             switch (ti.kind) {
@@ -1393,8 +1532,15 @@ int run(options o) {
       print_agreement(*oc.diff);
       masks_differ += oc.diff->mask_rows_differ + oc.diff->items_differ;
       kv_differ += oc.diff->kv_rows_differ;
+      live_differ += oc.diff->live_rows_differ;
     }
-    if (per_head_counts) print_head_counts(o, len_before[items[0].seq], res.kept_counts[0], res.new_lengths[0]);
+    if (per_head_counts) {
+      // Without live bytes every head holds all T slots (one round).
+      std::vector<i32> held(res.kept_counts[0].size(), len_before[items[0].seq]);
+      if (with_live)
+        std::ranges::transform(held_before[0], held.begin(), [](const auto& row) { return i32(row.size()); });
+      print_head_counts(o, len_before[items[0].seq], held, res.kept_counts[0], res.new_lengths[0]);
+    }
     std::visit(
         [&](const auto& p) {
           if constexpr (kvp::PatternSelector<std::remove_cvref_t<decltype(p.select)>>) {
@@ -1409,20 +1555,35 @@ int run(options o) {
         preset);
     if (o.show_mask) print_mask(c, 0, std::span(res.keep_masks[0]).first(static_cast<std::size_t>(len_before[0])));
     apply_result(c, batch, res);
-    if (is_windowed) kvp::record_compression(running, items, res.new_lengths, step);
+    if (with_live) {
+      long bad = 0;
+      for (std::size_t i = 0; i < items.size(); ++i) bad += held_violations(c, items[i].seq, held_before[i]);
+      say("dropped tokens stayed dropped: {}\n",
+          bad == 0 ? std::string("yes (each head of each sequence holds a subset of what it held before the round)")
+                   : str("NO, {} slots hold a token their head had dropped or disagree with the keep masks", bad));
+      drop_violations += bad;
+    }
+    if (is_windowed) {
+      kvp::record_compression(running, items, res.new_lengths, step);
+    } else {
+      for (std::size_t i = 0; i < items.size(); ++i) compressed[items[i].seq] = res.new_lengths[i];
+    }
   }
 
   say("\nkept K/V rows moved intact: {}\n", bad_rows == 0 ? std::string("yes") : str("NO, {} rows differ", bad_rows));
+  if (with_live)
+    say("dropped tokens stayed dropped, every round: {}\n",
+        drop_violations == 0 ? std::string("yes") : str("NO, {} violations", drop_violations));
   if (dev == device::both)
     say("host and cuda agree: {}\n",
-        masks_differ == 0 && kv_differ == 0
-            ? std::string("yes (keep masks, lengths, released blocks, kept K/V bytes)")
-            : str("{} mask rows or items differ (near-ties), {} K/V rows differ where the masks agree", masks_differ,
-                  kv_differ));
+        masks_differ == 0 && kv_differ == 0 && live_differ == 0
+            ? str("yes (keep masks, lengths, released blocks, kept K/V bytes{})", with_live ? ", live bytes" : "")
+            : str("{} mask rows or items differ (near-ties), {} K/V rows{} differ where the masks agree",
+                  masks_differ, kv_differ, with_live ? str(" and {} live-byte rows", live_differ) : std::string()));
 
   print_times(times, gpu.name);
   say("wall time {:.1f} ms\n", 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count());
-  return bad_rows == 0 && kv_differ == 0 && windows_differ == 0 ? 0 : 1;
+  return bad_rows == 0 && kv_differ == 0 && live_differ == 0 && windows_differ == 0 && drop_violations == 0 ? 0 : 1;
 }
 
 }  // namespace
