@@ -18,6 +18,7 @@ struct cache_description {
   std::vector<void*> k_layers, v_layers;  // [num_layers] each: where layer l's K and V start
   kvp::kv_strides k_stride, v_stride;     // the tensors' own strides, in elements
   kvp::position_view positions{};
+  kvp::live_view live{};  // cautious update: the tokens each (layer, KV head) holds
   bool on_device = false;  // CUDA memory (else host memory)
   int device_id = 0;
   std::int32_t max_tokens = 0;  // what the block table has room for per sequence, at most
@@ -41,6 +42,7 @@ struct cache_description {
     v.k_stride = k_stride;
     v.v_stride = v_stride;
     v.positions = positions;
+    v.live = live;
     return v;
   }
 };

@@ -122,7 +122,7 @@ std::int32_t to_int32(std::int64_t v, const std::string& field, const char* what
 
 paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, nb::handle v, nb::handle block_table,
                        nb::handle block_indptr, nb::handle block_indices, nb::handle lengths, nb::handle positions,
-                       nb::handle refcounts, nb::handle shared_bitmask) {
+                       nb::handle live, nb::handle refcounts, nb::handle shared_bitmask) {
   const layout_spec& spec = find_layout(layout, "layout");
   paged_cache c;
   c.layout = spec.name;
@@ -252,6 +252,19 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
     d.positions = {static_cast<std::int32_t*>(p.data()), p.stride(0), p.stride(1), p.stride(2), p.stride(3)};
     c.written.push_back(std::move(p));
   }
+  if (!live.is_none()) {
+    mut_array a = writable(live, "live");
+    require_ndim(a, 4, "live", "[num_layers, num_blocks, block_size, num_kv_heads]");
+    require(a.dtype() == uint8_type || a.dtype() == bool_type, "live", "has element type {}; expected uint8 or bool",
+            dtype_name(a));
+    require_place(place_of(a, "live"), K.where, "live");
+    const std::int64_t want[] = {d.shape.num_layers, d.shape.num_blocks, d.shape.block_size, d.shape.num_kv_heads};
+    for (int i = 0; i < 4; ++i)
+      require(static_cast<std::int64_t>(a.shape(i)) == want[i], "live", "has shape {}; the cache needs ({}, {}, {}, {})",
+              shape_of(a), want[0], want[1], want[2], want[3]);
+    d.live = {static_cast<std::uint8_t*>(a.data()), a.stride(0), a.stride(1), a.stride(2), a.stride(3)};
+    c.written.push_back(std::move(a));
+  }
   if (!refcounts.is_none()) {
     array r = readable(refcounts, "refcounts");
     require_vector(r, "refcounts");
@@ -282,25 +295,26 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
 void register_paged_cache(nb::module_& m) {
   nb::class_<paged_cache>(m, "PagedCache",
                           "An engine's paged KV cache, read in place: K/V tensors in a named layout, the block table "
-                          "and the lengths (and optionally positions and shared-block markers).\n\n"
+                          "and the lengths (and optionally positions, the live bytes of cautious update and "
+                          "shared-block markers).\n\n"
                           "The shape (layers, blocks, block size, KV heads, head dim, dtype) and the strides are read "
                           "off the tensors. Nothing is copied; the arrays stay referenced by this object. The executors "
-                          "write K, V and positions in place and never write the block table or lengths.")
+                          "write K, V, positions and live bytes in place and never write the block table or lengths.")
       .def(
           "__init__",
           [](paged_cache* self, const std::string& layout, nb::handle kv, nb::handle k, nb::handle v,
              nb::handle block_table, nb::handle block_indptr, nb::handle block_indices, nb::handle lengths,
-             nb::handle positions, nb::handle refcounts, nb::handle shared_bitmask) {
+             nb::handle positions, nb::handle live, nb::handle refcounts, nb::handle shared_bitmask) {
             require(!lengths.is_none(), "lengths", "is None; the tokens held by each sequence ([num_seqs] int32) are needed");
             require(!block_table.is_none() || !block_indptr.is_none() || !block_indices.is_none(), "block_table",
                     "is None; pass a dense block_table [num_seqs, max_blocks] or block_indptr and block_indices");
             new (self) paged_cache(make_cache(layout, kv, k, v, block_table, block_indptr, block_indices, lengths,
-                                              positions, refcounts, shared_bitmask));
+                                              positions, live, refcounts, shared_bitmask));
           },
           nb::arg("layout"), nb::arg("kv") = nb::none(), nb::kw_only(), nb::arg("k") = nb::none(),
           nb::arg("v") = nb::none(), nb::arg("block_table") = nb::none(), nb::arg("block_indptr") = nb::none(),
           nb::arg("block_indices") = nb::none(), nb::arg("lengths") = nb::none(), nb::arg("positions") = nb::none(),
-          nb::arg("refcounts") = nb::none(), nb::arg("shared_bitmask") = nb::none())
+          nb::arg("live") = nb::none(), nb::arg("refcounts") = nb::none(), nb::arg("shared_bitmask") = nb::none())
       .def_ro("layout", &paged_cache::layout)
       .def_ro("framework", &paged_cache::framework, "the module of the cache tensors' type: 'numpy', 'torch', ...")
       .def_prop_ro("num_layers", [](const paged_cache& c) { return c.desc.shape.num_layers; })

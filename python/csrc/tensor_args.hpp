@@ -54,6 +54,8 @@ void require_place(const place& p, const place& cache, const std::string& field)
 // Element types the executors read.
 inline constexpr nanobind::dlpack::dtype int32_type = nanobind::dtype<std::int32_t>();
 inline constexpr nanobind::dlpack::dtype uint32_type = nanobind::dtype<std::uint32_t>();
+inline constexpr nanobind::dlpack::dtype uint8_type = nanobind::dtype<std::uint8_t>();
+inline constexpr nanobind::dlpack::dtype bool_type = nanobind::dtype<bool>();
 inline constexpr nanobind::dlpack::dtype float32_type = nanobind::dtype<float>();
 
 }  // namespace kvpy

@@ -94,6 +94,54 @@ def test_device_equals_host(cls):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cautious_update_device_equals_host(dtype):
+    """HardKV over a live view (cautious update) in which heads dropped tokens before:
+    the device keeps, moves and marks (live bytes) exactly what the host does."""
+    case = make_case(lengths=(64, 0, 57, 48), window=32, head_dim=64, block_size=16, seed=35)
+    live = np.zeros(case.positions.shape, dtype=np.uint8)
+    b, rng = case.block_size, np.random.default_rng(5)
+    for s, n in enumerate(case.lengths):
+        for t in range(n):
+            live[:, case.block_table[s, t // b], t % b, :] = 1
+    for s in (0, 2, 3):  # each (layer, head) dropped a run of its own
+        for l in range(live.shape[0]):
+            for h in range(live.shape[3]):
+                start = int(rng.integers(0, 20))
+                for t in range(start, start + int(rng.integers(0, 12))):
+                    live[l, case.block_table[s, t // b], t % b, h] = 0
+    twins = []
+    for device in ("cpu", "cuda"):
+        twin = Twin(case, device, dtype)
+        twin.live = torch.from_numpy(live.copy()).to(device)
+        twin.cache = kvpolicy.PagedCache(LAYOUT, **twin.args, block_table=twin.table, lengths=twin.lengths,
+                                         positions=twin.positions, live=twin.live)
+        twins.append(twin)
+    host, dev = twins
+    policy = kvpolicy.HardKV(protect_window=8, p=0.7)
+    kw = dict(seqs=[0, 2, 3], budgets=[40, 33, 32], return_masks=True, return_scores=True, max_tokens=64)
+    rh = numpy_result(host.compress(policy, **kw))
+    rd = numpy_result(dev.compress(policy, **kw))
+    np.testing.assert_array_equal(rd.kept_counts, rh.kept_counts)
+    np.testing.assert_array_equal(rd.new_lengths, rh.new_lengths)
+    np.testing.assert_array_equal(rd.released_blocks, rh.released_blocks)
+    assert not (rh.keep_masks.astype(bool) & (live_of(case, live, [0, 2, 3]) == 0)).any()  # dropped: never kept
+    if near_tie_differences(rh, rd) == 0:
+        np.testing.assert_array_equal(dev.canonical(), host.canonical())
+        np.testing.assert_array_equal(dev.live.cpu().numpy(), host.live.numpy())
+        np.testing.assert_array_equal(dev.positions.cpu().numpy(), host.positions.numpy())
+
+
+def live_of(case, live, seqs):
+    """The live bytes of each item's rows as [items, L, h, max_tokens] (0 past a length)."""
+    b = case.block_size
+    out = np.zeros((len(seqs), live.shape[0], live.shape[3], 64), dtype=np.uint8)
+    for i, s in enumerate(seqs):
+        for t in range(case.lengths[s]):
+            out[i, :, :, t] = live[:, case.block_table[s, t // b], t % b, :]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kara_device_equals_host(dtype):
     """Kara's windows (window_begins, host ints and a device tensor): the 16-bit tensor-core
     scorer and the fp32 one against the host executor; masks over the window."""

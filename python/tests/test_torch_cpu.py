@@ -44,7 +44,7 @@ def op_args(case, args, layout="vllm_flash", policy=None, return_masks=True):
     items = torch.tensor([[0, 0, 20, 0, 0], [2, 2, 16, 0, 0]], dtype=torch.int32)  # kvp::batch_item rows
     return (ops.policy_spec(policy), layout, args.get("kv", []), args.get("k", []), args.get("v", []),
             torch.from_numpy(case.block_table), None, None, torch.from_numpy(case.lengths),
-            torch.from_numpy(case.queries).to(torch.bfloat16), None, None, items, 0, 0, 40, return_masks)
+            torch.from_numpy(case.queries).to(torch.bfloat16), None, None, None, items, 0, 0, 40, return_masks)
 
 
 def test_the_op_passes_torch_library_checks():

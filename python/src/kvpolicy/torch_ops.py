@@ -1,21 +1,25 @@
-"""kvpolicy.compress as a PyTorch custom op, ``torch.ops.kvpolicy.compress``.
+"""kvpolicy.compress and kvpolicy.compress_per_head as PyTorch custom ops,
+``torch.ops.kvpolicy.compress`` and ``torch.ops.kvpolicy.compress_per_head``.
 
-Importing this module registers the op (PyTorch needed). It compresses the cache
+Importing this module registers them (PyTorch needed). Each compresses the cache
 tensors in place (declared as mutated, so functionalization and torch.compile see
 the writes), has a fake implementation (shapes only, for tracing), and on CUDA runs
 on the current stream without waiting for it, so it can be captured into a CUDA
-graph. ``compress`` below is the call to use; the op's schema takes only tensors,
-ints, bools and strings (the policy travels as its JSON spec).
+graph. ``compress`` and ``compress_per_head`` below are the calls to use; the ops'
+schemas take only tensors, ints, bools and strings (the policy travels as its JSON spec).
 
     import kvpolicy, kvpolicy.torch_ops as ops
     r = ops.compress(kvpolicy.SnapKV(), "vllm_flash", kv=layers, block_table=bt, lengths=lens,
                      seqs=torch.tensor([0, 2]), budgets=256, queries=q)
+    r = ops.compress_per_head(kvpolicy.KVCompress(), k, v, metric, tables, lengths,
+                              seqs=torch.tensor([0, 2]), blocks_to_free=torch.tensor([4, 1]))
 
 Under torch.compile pass the policy as its spec, made outside the compiled function:
 ``spec = ops.policy_spec(kvpolicy.SnapKV())``, then ``ops.compress(spec, ...)`` inside
-it. A preset is an extension object Dynamo cannot read (torch 2.11 stops on it; newer
-releases bake it in by identity, so a later change of its fields would go unseen); a
-spec is a string, which Dynamo guards by value: another spec recompiles.
+it (likewise ``compress_per_head``). A preset is an extension object Dynamo cannot read
+(torch 2.11 stops on it; newer releases bake it in by identity, so a later change of
+its fields would go unseen); a spec is a string, which Dynamo guards by value: another
+spec recompiles.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from torch import Tensor
 
 from . import _core
 from ._compress import CompressResult, run
+from ._per_head import PerHeadResult
+from ._per_head import compress_per_head as _compress_per_head
 from .errors import Error
 
 _OUTPUTS = ("status", "new_lengths", "released_counts", "released_blocks", "kept_counts", "nonfinite_scores", "keep_masks")
+_PER_HEAD_OUTPUTS = ("status", "new_lengths", "freed_counts", "freed_blocks", "evicted", "moved", "freed",
+                     "nonfinite_metrics")
 
 
 def policy_spec(policy) -> str:
@@ -61,6 +69,19 @@ def _policy(spec: str):
         raise Error(f"kvpolicy: policy: the spec {spec!r} is not one policy_spec made ({e})", "policy") from None
 
 
+def _spec(policy, call: str) -> str:
+    """A wrapper's policy argument as the op's spec string."""
+    if isinstance(policy, str):
+        return policy  # checked when the op builds it (no host work while tracing)
+    if torch.compiler.is_compiling():
+        # A builtin exception: Dynamo traces its construction (not kvpolicy.Error's).
+        raise TypeError(
+            f"kvpolicy.torch_ops.{call}: policy: is a preset inside a torch.compile'd function; make its spec "
+            "outside it (spec = kvpolicy.torch_ops.policy_spec(preset)) and pass the spec"
+        )
+    return policy_spec(policy)
+
+
 def _cache_arg(layout: str, tensors: List[Tensor]):
     """The op's tensor list as PagedCache takes it: one tensor, or the per-layer list."""
     axes, _, per_layer, _ = _core.LAYOUTS[layout]
@@ -83,7 +104,7 @@ def _sizes(layout: str, tensors: List[Tensor]):
     return layers, block, t.shape[axes.index("H")]
 
 
-@torch.library.custom_op("kvpolicy::compress", mutates_args=("kv", "k", "v", "scores", "positions"))
+@torch.library.custom_op("kvpolicy::compress", mutates_args=("kv", "k", "v", "scores", "positions", "live"))
 def _compress_op(
     policy: str,
     layout: str,
@@ -97,6 +118,7 @@ def _compress_op(
     queries: Optional[Tensor],
     scores: Optional[Tensor],
     positions: Optional[Tensor],
+    live: Optional[Tensor],
     items: Tensor,
     layer_begin: int,
     layer_count: int,
@@ -114,6 +136,7 @@ def _compress_op(
         block_indices=block_indices,
         lengths=lengths,
         positions=positions,
+        live=live,
     )
     r = run(
         _policy(policy),
@@ -134,8 +157,8 @@ def _compress_op(
 
 
 @_compress_op.register_fake
-def _(policy, layout, kv, k, v, block_table, block_indptr, block_indices, lengths, queries, scores, positions, items,
-      layer_begin, layer_count, max_tokens, return_masks):
+def _(policy, layout, kv, k, v, block_table, block_indptr, block_indices, lengths, queries, scores, positions, live,
+      items, layer_begin, layer_count, max_tokens, return_masks):
     tensors = k or kv
     layers, block, heads = _sizes(layout, tensors)
     n, rows = items.shape[0], layer_count or layers - layer_begin
@@ -167,6 +190,7 @@ def compress(
     queries: Optional[Tensor] = None,
     scores: Optional[Tensor] = None,
     positions: Optional[Tensor] = None,
+    live: Optional[Tensor] = None,
     layer_begin: int = 0,
     layer_count: int = 0,
     max_tokens: Optional[int] = None,
@@ -183,17 +207,10 @@ def compress(
     the device, the others must be ints or device tensors (a list would need a copy).
     ``window_begins`` (default 0) is a window-only preset's (Kara's) first token of each
     item's window, as in ``kvpolicy.compress``; its keep masks then cover the window.
+    ``live`` (uint8 or bool ``[L, num_blocks, b, h_kv]``, written in place) turns on
+    cautious update, as ``kvpolicy.PagedCache(live=...)``.
     """
-    if isinstance(policy, str):
-        spec = policy  # checked when the op builds it (no host work while tracing)
-    elif torch.compiler.is_compiling():
-        # A builtin exception: Dynamo traces its construction (not kvpolicy.Error's).
-        raise TypeError(
-            "kvpolicy.torch_ops.compress: policy: is a preset inside a torch.compile'd function; make its spec "
-            "outside it (spec = kvpolicy.torch_ops.policy_spec(preset)) and pass the spec"
-        )
-    else:
-        spec = policy_spec(policy)
+    spec = _spec(policy, "compress")
 
     def listed(x):
         return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
@@ -230,7 +247,7 @@ def compress(
         max_tokens = int(room) * block
     out = torch.ops.kvpolicy.compress(
         spec, layout, listed(kv), listed(k), listed(v), block_table, block_indptr, block_indices,
-        lengths, queries, scores, positions, items, layer_begin, layer_count, max_tokens, return_masks,
+        lengths, queries, scores, positions, live, items, layer_begin, layer_count, max_tokens, return_masks,
     )
     fields = dict(zip(_OUTPUTS, out))
     if not return_masks:
@@ -238,3 +255,91 @@ def compress(
     if device.type != "cuda":
         fields["status"] = None  # the host raised any error already
     return CompressResult(**fields)  # on CUDA, check() waits for the stream current then
+
+
+@torch.library.custom_op("kvpolicy::compress_per_head", mutates_args=("k", "v", "metric", "positions"))
+def _compress_per_head_op(
+    policy: str,
+    k: Tensor,
+    v: Tensor,
+    metric: Tensor,
+    tables: Tensor,
+    lengths: Tensor,
+    positions: Optional[Tensor],
+    seqs: Tensor,
+    blocks_to_free: Optional[Tensor],
+    logical_lengths: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # Tables and lengths are only read (the engine updates them from the results), so
+    # they are not declared mutated. blocks_to_free None reads the lengths on the host
+    # here, where their values exist (while tracing they do not).
+    r = _compress_per_head(_policy(policy), k, v, metric, tables, lengths, seqs=seqs, blocks_to_free=blocks_to_free,
+                           logical_lengths=logical_lengths, positions=positions, check=False)
+    status = r.status if r.status is not None else torch.zeros(8, dtype=torch.int32, device=k.device)
+    return (status, *(getattr(r, name) for name in _PER_HEAD_OUTPUTS[1:]))
+
+
+@_compress_per_head_op.register_fake
+def _(policy, k, v, metric, tables, lengths, positions, seqs, blocks_to_free, logical_lengths):
+    if tables.dim() != 4:  # the shapes below come from it
+        raise Error(f"kvpolicy: tables: has shape {tuple(tables.shape)}; expected 4 axes [layers, seqs, kv_heads, "
+                    "max_blocks]", "tables")
+    layers, _, heads, width = tables.shape
+    n = seqs.numel()  # an int or [n], as kvpolicy.compress_per_head takes it
+
+    def empty(*shape, dtype=torch.int32):
+        return torch.empty(shape, dtype=dtype, device=k.device)
+
+    rows = (n, layers, heads)
+    return (empty(8), empty(*rows), empty(*rows), empty(*rows, width), empty(*rows), empty(*rows),
+            empty(n, dtype=torch.int64), empty(n, dtype=torch.int64))
+
+
+def compress_per_head(
+    policy,  # a KVCompress preset, or its spec (policy_spec): under torch.compile, the spec
+    k: Tensor,
+    v: Tensor,
+    metric: Tensor,
+    tables: Tensor,
+    lengths: Tensor,
+    *,
+    seqs,
+    blocks_to_free=None,
+    logical_lengths=None,
+    positions: Optional[Tensor] = None,
+) -> PerHeadResult:
+    """``kvpolicy.compress_per_head`` through ``torch.ops.kvpolicy.compress_per_head``, on the
+    per-head cache tensors themselves (arguments as ``kvpolicy.compress_per_head`` takes them).
+
+    K, V, metric and positions are written in place; tables and lengths are not (the
+    engine sets ``lengths[l, seqs[i], h] = r.new_lengths[i, l, h]``). Traceable by
+    torch.compile and capturable in a CUDA graph: it never waits for the device, so
+    device-side validation errors are in ``result.status`` (``result.check()``).
+    ``policy`` is a ``kvpolicy.KVCompress`` or its spec string (``policy_spec(preset)``);
+    under torch.compile it must be the spec, made outside the compiled function.
+    Items (``seqs``, ``blocks_to_free``, ``logical_lengths``): ints, tensors, or lists.
+    While a CUDA graph is captured with an item on the device, the others must be ints
+    or device tensors (a list would need a copy). ``blocks_to_free=None`` takes the
+    policy's budget off the lengths on the host: on CUDA a wait, refused while capturing.
+    """
+    spec = _spec(policy, "compress_per_head")
+    on = torch.device("cpu")
+    for x in (seqs, blocks_to_free, logical_lengths):
+        if isinstance(x, Tensor) and x.device.type != "cpu":
+            on = x.device
+
+    def tensor(x):
+        if x is None or isinstance(x, Tensor):
+            return x
+        if isinstance(x, int) and not isinstance(x, bool):  # a fill where the device items are: no copy (capturable)
+            return torch.full((), x, dtype=torch.int64, device=on)
+        # A host vector: the op copies it next to device items, or refuses it (naming it)
+        # while a CUDA graph is captured; with host items it reaches the kernels as arguments.
+        return torch.as_tensor(x)
+
+    out = torch.ops.kvpolicy.compress_per_head(spec, k, v, metric, tables, lengths, positions, tensor(seqs),
+                                               tensor(blocks_to_free), tensor(logical_lengths))
+    fields = dict(zip(_PER_HEAD_OUTPUTS, out))
+    if k.device.type != "cuda":
+        fields["status"] = None  # the host raised any error already
+    return PerHeadResult(**fields)  # on CUDA, check() waits for the stream current then
