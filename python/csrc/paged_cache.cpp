@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "layouts.hpp"
+#include "side_views.hpp"
 
 namespace nb = nanobind;
 using kvp::require;
@@ -241,28 +242,13 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
   c.read.push_back(std::move(lens));
 
   if (!positions.is_none()) {
-    mut_array p = writable(positions, "positions");
-    require_ndim(p, 4, "positions", "[num_layers, num_blocks, block_size, num_kv_heads]");
-    require_dtype(p, int32_type, "positions", "int32");
-    require_place(place_of(p, "positions"), K.where, "positions");
-    const std::int64_t want[] = {d.shape.num_layers, d.shape.num_blocks, d.shape.block_size, d.shape.num_kv_heads};
-    for (int i = 0; i < 4; ++i)
-      require(static_cast<std::int64_t>(p.shape(i)) == want[i], "positions", "has shape {}; the cache needs ({}, {}, {}, {})",
-              shape_of(p), want[0], want[1], want[2], want[3]);
-    d.positions = {static_cast<std::int32_t*>(p.data()), p.stride(0), p.stride(1), p.stride(2), p.stride(3)};
+    mut_array p;
+    d.positions = slot_array<std::int32_t>(positions, "positions", d.shape, K.where, "int32", p);
     c.written.push_back(std::move(p));
   }
   if (!live.is_none()) {
-    mut_array a = writable(live, "live");
-    require_ndim(a, 4, "live", "[num_layers, num_blocks, block_size, num_kv_heads]");
-    require(a.dtype() == uint8_type || a.dtype() == bool_type, "live", "has element type {}; expected uint8 or bool",
-            dtype_name(a));
-    require_place(place_of(a, "live"), K.where, "live");
-    const std::int64_t want[] = {d.shape.num_layers, d.shape.num_blocks, d.shape.block_size, d.shape.num_kv_heads};
-    for (int i = 0; i < 4; ++i)
-      require(static_cast<std::int64_t>(a.shape(i)) == want[i], "live", "has shape {}; the cache needs ({}, {}, {}, {})",
-              shape_of(a), want[0], want[1], want[2], want[3]);
-    d.live = {static_cast<std::uint8_t*>(a.data()), a.stride(0), a.stride(1), a.stride(2), a.stride(3)};
+    mut_array a;
+    d.live = slot_array<std::uint8_t>(live, "live", d.shape, K.where, "uint8 or bool", a, {bool_type});
     c.written.push_back(std::move(a));
   }
   if (!refcounts.is_none()) {

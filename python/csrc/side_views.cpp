@@ -31,16 +31,7 @@ kvp::query_window_view queries_view(nb::handle queries, const cache_description&
 
 kvp::score_view scores_view(nb::handle scores, const cache_description& cache, mut_array& keep) {
   if (scores.is_none()) return {};
-  keep = writable(scores, "scores");
-  require_ndim(keep, 4, "scores", "[num_layers, num_blocks, block_size, num_kv_heads]");
-  require_dtype(keep, float32_type, "scores", "float32");
-  require_place(place_of(keep, "scores"), place{cache.on_device, cache.device_id}, "scores");
-  const auto& s = cache.shape;
-  const std::int64_t want[] = {s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads};
-  for (int i = 0; i < 4; ++i)
-    require(static_cast<std::int64_t>(keep.shape(i)) == want[i], "scores",
-            "has shape {}; the cache needs ({}, {}, {}, {})", shape_of(keep), want[0], want[1], want[2], want[3]);
-  return {static_cast<float*>(keep.data()), keep.stride(0), keep.stride(1), keep.stride(2), keep.stride(3)};
+  return slot_array<float>(scores, "scores", cache.shape, place{cache.on_device, cache.device_id}, "float32", keep);
 }
 
 }  // namespace kvpy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -51,3 +52,18 @@ def check_moved(case, before: np.ndarray, after: np.ndarray, seqs, lengths, resu
         touched.update(case.block_table[seq, :used].tolist())
     untouched = sorted(set(range(before.shape[2])) - touched)
     np.testing.assert_array_equal(after[:, :, untouched], before[:, :, untouched])
+
+
+def captured(fn):
+    """Captures fn() into a new CUDA graph (PyTorch); returns (graph, fn's result). Fails
+    if the capture recorded nothing (the work ran on a stream other than the capturing one)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.cuda.graph(graph):
+            result = fn()
+    empty = [w for w in seen if "empty" in str(w.message)]
+    assert not empty, f"the capture recorded nothing: {empty[0].message}"
+    return graph, result

@@ -14,7 +14,7 @@ REQUIRED = os.environ.get("KVPOLICY_REQUIRE_CUDA") == "1"
 torch = pytest.importorskip("torch") if not REQUIRED else __import__("torch")
 
 import kvpolicy  # noqa: E402
-from checks import check_moved, whole_sequence  # noqa: E402
+from checks import captured, check_moved, whole_sequence  # noqa: E402
 from paged_case import make_case  # noqa: E402
 from reference import token2chunk_keep  # noqa: E402
 
@@ -214,19 +214,6 @@ def test_streams_and_workspace():
     with pytest.raises(kvpolicy.Error) as e:
         c.compress(policy, seqs=[0, 1], budgets=20, workspace=workspace[: need // 2])
     assert e.value.field == "workspace"
-
-
-def captured(fn):
-    """Captures fn() into a new CUDA graph; returns (graph, fn's result). Fails if the
-    capture recorded nothing (the work ran on a stream other than the capturing one)."""
-    graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        with torch.cuda.graph(graph):
-            result = fn()
-    empty = [w for w in seen if "empty" in str(w.message)]
-    assert not empty, f"the capture recorded nothing: {empty[0].message}"
-    return graph, result
 
 
 def test_cuda_graph_capture_and_replay():

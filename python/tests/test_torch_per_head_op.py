@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch") if not REQUIRED else __import__("torch")
 
 import kvpolicy  # noqa: E402
 import kvpolicy.torch_ops as ops  # noqa: E402
+from checks import captured  # noqa: E402
 from test_kv_compress import make_case  # noqa: E402
 
 FIELDS = ("new_lengths", "freed_counts", "freed_blocks", "evicted", "moved", "freed", "nonfinite_metrics")
@@ -302,19 +303,6 @@ def test_cuda_device_errors_come_through_the_status():
                               seqs=torch.tensor([7], device="cuda"), blocks_to_free=1)
     raises("batch[0].seq", r.check)
     assert torch.equal(as_bytes(t["k"]), before)
-
-
-def captured(fn):
-    """Captures fn() into a new CUDA graph; returns (graph, fn's result). Fails if the
-    capture recorded nothing (the work ran on a stream other than the capturing one)."""
-    graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        with torch.cuda.graph(graph):
-            result = fn()
-    empty = [w for w in seen if "empty" in str(w.message)]
-    assert not empty, f"the capture recorded nothing: {empty[0].message}"
-    return graph, result
 
 
 @on_cuda
