@@ -23,8 +23,8 @@
 // (paged_kv_view::live, cautious update: 1 where a head still holds its token), writes
 // 1 for every head of each token it appends, and so can compress such a cache again:
 // per round it prints seq 0's counts and checks that every head holds a subset of the
-// tokens it held before. `hard_kv_rkv` runs one round: cautious update takes no
-// redundancy stage.
+// tokens it held before. `hard_kv_rkv` does the same on the host executor; on the GPU
+// it runs one round (the CUDA executor takes no redundancy stage under cautious update yet).
 //
 // `--preset kara` compresses a window of each sequence instead of the whole cache
 // (Kara, KvLLM): the last `--window` tokens in whole blocks before the last, partial
@@ -157,8 +157,9 @@ struct usage_error : std::runtime_error {
 constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
   --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm,
                     hard_kv (per-head counts, printed each round; later rounds skip
-                    the tokens each head dropped), hard_kv_rkv (per-head counts, one
-                    round: cautious update takes no redundancy stage),
+                    the tokens each head dropped), hard_kv_rkv (the same on the host;
+                    one round on the GPU, which takes no redundancy stage under
+                    cautious update yet),
                     kara (a window of each sequence; Token2Chunk drawn per round),
                     kv_compress (a per-head block cache, one compression; per-head lengths)
   --device NAME     cuda: the CUDA executor (the default when the demo is built with
@@ -302,10 +303,11 @@ constexpr bool windowed = kvp::window_only<typename P::layout_type>();
 template <class P>
 constexpr bool per_head = kvp::ScoreDependentSelector<typename P::select_type>;
 
-// Whether its later rounds can skip those: cautious update (the engine's live bytes,
-// paged_kv_view::live) takes no redundancy stage, so hard_kv_rkv gets one round.
+// Whether its later rounds can skip those on the GPU too: the CUDA executor takes no
+// redundancy stage under cautious update (the engine's live bytes, paged_kv_view::live)
+// yet, the host executor does.
 template <class P>
-constexpr bool cautious = per_head<P> && std::same_as<typename P::redundancy_type, kvp::none>;
+constexpr bool cautious_on_gpu = per_head<P> && std::same_as<typename P::redundancy_type, kvp::none>;
 
 any_preset make_preset(const options& o) {
   const std::string_view name = o.preset;
@@ -1290,17 +1292,18 @@ int run(options o) {
   // Per-head counts leave each head's slots past its own count to tokens it dropped;
   // a later round skips them through the live bytes (cautious update), which the demo
   // keeps where the library supports them.
-  const auto [per_head_counts, with_live] = std::visit(
+  const auto [per_head_counts, gpu_live] = std::visit(
       [](const auto& p) {
         using P = std::remove_cvref_t<decltype(p)>;
-        return std::pair<bool, bool>{per_head<P>, cautious<P>};
+        return std::pair<bool, bool>{per_head<P>, cautious_on_gpu<P>};
       },
       preset);
+  const bool with_live = per_head_counts && (gpu_live || dev == device::host);
   if (per_head_counts && !with_live && o.rounds > 1) {
     if (o.rounds_given)
-      throw usage_error(str("--rounds {}: preset {} keeps a count per head and has a redundancy stage, which "
-                            "cautious update (the live bytes that let a later round skip each head's dropped "
-                            "tokens) does not support; the demo runs it for one round",
+      throw usage_error(str("--rounds {}: preset {} keeps a count per head and has a redundancy stage, which the "
+                            "CUDA executor does not run under cautious update yet (the live bytes that let a later "
+                            "round skip each head's dropped tokens); run it with --device host, or for one round",
                             o.rounds, o.preset));
     o.rounds = 1;
   }

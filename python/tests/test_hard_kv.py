@@ -175,11 +175,33 @@ def test_cautious_update_takes_bool_and_refuses_what_it_cannot_do():
     assert (r.kept_counts <= 48).all()
     before = case.kv.copy()
     cache, args = case.cache("nano_vllm", live=live_bytes(case))
-    with pytest.raises(kvpolicy.Error) as e:  # redundancy would still sum over dropped keys
-        kvpolicy.compress(kvpolicy.HardKVRKV(protect_window=8), cache, seqs=[0], budgets=48, queries=case.queries)
-    assert e.value.field == "cache.live" and "redundancy" in str(e.value)
+    with pytest.raises(kvpolicy.Error) as e:  # lightning's pairs are a block's slots: ragged after drops
+        kvpolicy.compress(kvpolicy.Zipage(window=8), cache, seqs=[0], budgets=32, queries=case.queries,
+                          scores=case.scores)
+    assert e.value.field == "cache.live" and "lightning" in str(e.value)
     np.testing.assert_array_equal(case.canonical("nano_vllm", args), before)
     for bad, why in [(live_bytes(case)[:, :-1], "shape"), (live_bytes(case, np.int32), "uint8 or bool")]:
         with pytest.raises(kvpolicy.Error) as e:
             case.cache("nano_vllm", live=bad)
         assert e.value.field == "live" and why in str(e.value)
+
+
+def test_cautious_update_with_full_redundancy_compares_held_keys_only():
+    # HardKVRKV over a head that dropped tokens 20..39: rewriting their keys changes no
+    # result (they are out of the similarity sums too), and none of them is kept.
+    def run(scramble):
+        case = make_case(layers=1, kv_heads=2, q_heads=4, head_dim=16, block_size=4, lengths=(48,), window=8, seed=9)
+        live = live_bytes(case)
+        for t in range(20, 40):
+            blk, slot = case.block_table[0, t // 4], t % 4
+            live[0, blk, slot, 1] = 0
+            if scramble:
+                case.kv[0, 0, blk, slot, 1] = case.kv[0, 0, blk - 1 if blk else 1, slot, 1]  # a copy of another key
+        cache, _ = case.cache("nano_vllm", live=live)
+        return kvpolicy.compress(kvpolicy.HardKVRKV(protect_window=8), cache, seqs=[0], budgets=48,
+                                 queries=case.queries, return_masks=True, return_scores=True)
+    plain, scrambled = run(False), run(True)
+    np.testing.assert_array_equal(plain.kept_counts, scrambled.kept_counts)
+    np.testing.assert_array_equal(plain.keep_masks, scrambled.keep_masks)
+    np.testing.assert_array_equal(plain.scores, scrambled.scores)
+    assert not plain.keep_masks[0, 0, 1, 20:40].any()

@@ -3,7 +3,7 @@
 // (scored as absent, never kept, not counted as protected), the layout writes which
 // slots each head holds, and a budget past a head's held tokens keeps what it holds.
 // A hand case, the dead keys' bytes shown not to matter, three hard_kv rounds with an
-// engine appending between them, and the refusals. (The CUDA build of this file runs
+// engine appending between them, full redundancy over the held keys, and the refusals. (The CUDA build of this file runs
 // every compression on both executors and compares them, live bytes included.)
 #include <doctest/doctest.h>
 
@@ -250,6 +250,40 @@ TEST_CASE("cautious update: fill writes the same live bytes") {
   CHECK(held == std::vector<int>{1, 3, 5});
 }
 
+TEST_CASE("cautious update: full redundancy compares the held keys only") {
+  // One KV head whose tokens 10..19 were dropped: its redundancy over the 30 held keys
+  // is that of a cache holding those 30 keys alone, in order (1 / n and the softmax
+  // over the held ones). Host executor only: the CUDA executor refuses a redundancy
+  // stage under cautious update so far.
+  test_cache with_dropped({.block_size = 4, .head_dim = 8, .lengths = {40}, .seed = 12, .live = true});
+  for (int t = 0; t < 6; ++t) {  // near-copies, so that theta's newest neighbours matter
+    auto k = with_dropped.key(0, 0, t, 0);
+    k[0] += 0.01f;
+    with_dropped.set_key(0, 0, t + 25, 0, k);
+  }
+  test_cache held_only({.block_size = 4, .head_dim = 8, .lengths = {30}, .seed = 13});
+  std::vector<int> held;
+  for (int t = 0; t < 40; ++t) {
+    if (t >= 10 && t < 20) {
+      with_dropped.live(0, 0, t, 0) = 0;
+      continue;
+    }
+    held_only.set_key(0, 0, static_cast<int>(held.size()), 0, with_dropped.key(0, 0, t, 0));
+    held.push_back(t);
+  }
+  kvp::redundancy::full r;
+  r.lambda = 0.0f;
+  r.form = kvp::redundancy::combine_form::weighted;  // final score -R
+  kvp::pipeline<none, none, kvp::redundancy::full, kvp::select::top_k, kvp::layout::compact> p;
+  p.redundancy = r;
+  p.protect = {.window = 0, .sinks = 0};
+  const auto a = kvp_test::run_host(p, with_dropped, {{.seq = 0, .budget = 40}});
+  const auto b = kvp_test::run_host(p, held_only, {{.seq = 0, .budget = 30}});
+  CHECK(a.kept_counts[0][0] == 30);
+  for (std::size_t i = 0; i < held.size(); ++i) CHECK(a.scores[0][held[i]] == b.scores[0][i]);
+  for (int t = 10; t < 20; ++t) CHECK(a.keep_masks[0][t] == 0);
+}
+
 TEST_CASE("cautious update: what it does not support is refused, naming the field") {
   test_cache tc({.block_size = 4, .kv_heads = 2, .head_dim = 4, .lengths = {16}, .q_heads = 2, .window = 8,
                  .live = true});
@@ -266,7 +300,10 @@ TEST_CASE("cautious update: what it does not support is refused, naming the fiel
     }
     CHECK(tc.unchanged_since(before));
   };
-  refuses(kvp::presets::rkv{}, "redundancy");
+  kvp::pipeline<first_element_scorer, none, kvp::redundancy::lightning, kvp::select::top_k, kvp::layout::compact>
+      lightning;
+  lightning.protect = {.window = 0, .sinks = 0};
+  refuses(lightning, "lightning");
   kvp::pipeline<first_element_scorer, none, none, kvp::select::top_k, none> in_place;
   refuses(in_place, "compacts whole rows");
 }

@@ -174,7 +174,9 @@ struct host_executor {
 
           if constexpr (!std::same_as<R, none>) {
             timed(stage::redundancy, [&] {
-              const std::vector<float> red = host::redundancy_scores(p.redundancy, keys, n, d, b);
+              const std::vector<float> red = alive.empty()
+                                                 ? host::redundancy_scores(p.redundancy, keys, n, d, b)
+                                                 : host::held_redundancy_scores(p.redundancy, keys, n, d, alive);
               for (std::int32_t t = 0; t < n; ++t) s[t] = p.redundancy.combine(s[t], red[t]);
             });
           }

@@ -17,6 +17,7 @@
 #include "kvpolicy/core/score_view.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"
 #include "kvpolicy/pipeline/traits.hpp"
+#include "kvpolicy/redundancy/redundancy.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -156,11 +157,15 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   }
   if (!cache.live.empty()) {
     // Cautious update (core/live_view.hpp): the stages that leave dropped tokens out.
-    // Redundancy would need them out of its similarity sums too; a window or a
-    // pattern keeps counts of its own that dropped tokens would break; the layout
-    // writes the bytes of the slots it fills, which a layout that moves nothing has not.
-    require(std::same_as<typename P::redundancy_type, none>, "cache.live",
-            "is set; cautious update does not support a redundancy stage (pipeline.redundancy) yet");
+    // Full redundancy compares the held keys only; lightning's pairs are the slots of a
+    // cache block, which dropped tokens leave ragged; a window or a pattern keeps
+    // counts of its own that dropped tokens would break; the layout writes the bytes
+    // of the slots it fills, which a layout that moves nothing has not.
+    using R = typename P::redundancy_type;
+    if constexpr (!std::same_as<R, none>) {
+      require(R::pairs == redundancy::scope::full, "cache.live",
+              "is set; cautious update does not support lightning redundancy (pipeline.redundancy, scope block)");
+    }
     using L = typename P::layout_type;
     require(moves_tokens<L>() && !window_only<L>(), "cache.live",
             "is set; cautious update needs a layout that compacts whole rows (layout::compact or layout::fill)");

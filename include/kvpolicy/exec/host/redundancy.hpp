@@ -61,5 +61,25 @@ std::vector<float> redundancy_scores(const R& r, std::span<const float> keys, st
   return red;
 }
 
+// Under cautious update (paged_kv_view::live): R of the candidates the head holds as if
+// the dropped ones were not in the row (full scope: the held keys, in order, are the
+// row, so 1 / n and the softmax count only them); 0 for the dropped, which are never kept.
+template <Redundancy R>
+std::vector<float> held_redundancy_scores(const R& r, std::span<const float> keys, std::int32_t n, std::int32_t d,
+                                          std::span<const std::uint8_t> alive) {
+  std::vector<float> held;
+  std::vector<std::int32_t> at;
+  for (std::int32_t t = 0; t < n; ++t) {
+    if (!alive[t]) continue;
+    held.insert(held.end(), keys.begin() + std::ptrdiff_t(t) * d, keys.begin() + std::ptrdiff_t(t + 1) * d);
+    at.push_back(t);
+  }
+  const auto m = static_cast<std::int32_t>(at.size());
+  const std::vector<float> part = redundancy_scores(r, held, m, d, m);  // full scope: the block size is not read
+  std::vector<float> out(static_cast<std::size_t>(n), 0.0f);
+  for (std::int32_t i = 0; i < m; ++i) out[at[i]] = part[i];
+  return out;
+}
+
 }  // namespace host
 KVP_NAMESPACE_END
