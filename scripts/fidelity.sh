@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The real-model fidelity harness (tools/fidelity, docs/fidelity.md): SmolLM2-135M-Instruct
 # in NumPy over a paged cache, every preset at budgets 128 / 256 / 512 compressed through
-# the kvpolicy Python package as it decodes, compared with the full cache; then Kara's pass:
-# windows of 128 / 256 tokens compressed once each (trigger::periodic), beside SnapKV and
-# StreamingLLM at budget 768, a cache of about Kara's size.
+# the kvpolicy Python package as it decodes, compared with the full cache (KV-Compress over
+# a per-head block cache of its own, in the same pass); then Kara's pass: windows of 128 /
+# 256 tokens compressed once each (trigger::periodic), beside SnapKV and StreamingLLM at
+# budget 768, a cache of about Kara's size.
 #
 #   scripts/fidelity.sh                   the measurement (about 30 minutes on 2 cores): writes
 #                                         docs/fidelity.md, docs/fidelity_*.png
@@ -30,7 +31,7 @@ for arg in "$@"; do
     --kara) kara_only=1 ;;
     --check-reference) check_reference=1 ;;
     -h | --help)
-      sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)

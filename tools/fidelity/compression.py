@@ -1,6 +1,8 @@
 """The one place the harness compresses: `compress(preset, cache, items)` and, for Kara's
 windows, `compress_windows(cache, items, window, buffer)`, through the `kvpolicy` Python
-package (python/, the C++ host executor on NumPy arrays).
+package (python/, the C++ host executor on NumPy arrays); and for KV-Compress, over the
+per-head cache, `compress_per_head(cache, items)` and the metric it evicts by,
+`kv_compress_prefill_metric(cache, queries)`.
 
 Every array is the harness's own and is handed over by DLPack with no copy: the K/V
 tensor in the nano_vllm layout, the block table, the lengths, the positions, F and the
@@ -22,8 +24,11 @@ import numpy as np
 
 import kvpolicy
 from paged_cache import PagedCache
+from per_head_cache import PerHeadCache
 
-PRESETS = tuple(kvpolicy.PRESETS)  # the package's presets by name (kara: compress_windows)
+# The package's presets by name (kara: compress_windows), and KV-Compress, which the
+# package keeps out of its PRESETS (it is not a PagedCache policy): compress_per_head.
+PRESETS = tuple(kvpolicy.PRESETS) + ("kv_compress",)
 BACKEND = f"kvpolicy {kvpolicy.__version__}"
 
 
@@ -41,7 +46,8 @@ class ItemResult:
     released_blocks: list[int]
 
 
-_policies = {name: kvpolicy.preset(name) for name in PRESETS}  # published parameters
+_policies = {name: kvpolicy.preset(name) for name in kvpolicy.PRESETS}  # published parameters
+KV_COMPRESS = kvpolicy.preset("kv_compress")  # published parameters (configure_kv_compress); budget per item
 
 
 def _results(preset: str, r, n: int) -> list[ItemResult]:
@@ -93,3 +99,55 @@ def compress_windows(cache: PagedCache, items: list[Item], window: int, buffer: 
         queries=queries,
     )
     return _results("kara", r, len(items))
+
+
+@dataclasses.dataclass
+class PerHeadItemResult:
+    new_lengths: np.ndarray  # [L, h_kv]
+    freed_blocks: np.ndarray  # [L, h_kv, max_blocks], the first freed_counts[l, h] of each row
+    freed_counts: np.ndarray  # [L, h_kv]
+    asked: int  # blocks the budget asked the sequence to free
+    freed: int  # blocks it freed (fewer only where the unprotected tokens cover fewer)
+
+
+def configure_kv_compress(overrides: dict) -> None:
+    """KV_COMPRESS with some of its KVCompress keywords changed (harness.py --kv-compress);
+    kvpolicy.Error names a field it refuses."""
+    global KV_COMPRESS
+    KV_COMPRESS = kvpolicy.KVCompress(**{**kvpolicy.preset("kv_compress").params(), **overrides})
+
+
+def kv_compress_blocks(cache: PerHeadCache, seq: int, budget: int) -> int:
+    """Blocks the sequence frees to its budget: kvpolicy.blocks_to_free of KV-Compress with
+    max_cache_tokens = budget, every (layer, KV head) keeping ceil(budget / b) blocks on
+    average, so the sequence keeps at most rows x budget tokens, what a uniform preset at
+    that budget keeps."""
+    policy = kvpolicy.KVCompress(**{**KV_COMPRESS.params(), "max_cache_tokens": budget})
+    return int(kvpolicy.blocks_to_free(policy, cache.lengths, cache.b, seq, int(cache.next_pos[seq]))[0, 0])
+
+
+def compress_per_head(cache: PerHeadCache, items: list[Item]) -> list[PerHeadItemResult]:
+    """Compress `items` of the per-head cache in place with KV-Compress (one call): each
+    frees its budget's blocks across all its layers and heads, the cheapest by the metric;
+    every position of the last protected_window is kept (read off the positions, with the
+    sequence's position count as its logical length)."""
+    seqs = np.array([it.seq for it in items])
+    asked = np.array([kv_compress_blocks(cache, it.seq, it.budget) for it in items])
+    r = kvpolicy.compress_per_head(
+        KV_COMPRESS, cache.k, cache.v, cache.metric, cache.tables, cache.lengths,
+        seqs=seqs, blocks_to_free=asked, logical_lengths=cache.next_pos[seqs], positions=cache.positions,
+    )
+    return [PerHeadItemResult(np.asarray(r.new_lengths[i]), np.asarray(r.freed_blocks[i]), np.asarray(r.freed_counts[i]),
+                              int(asked[i]), int(r.freed[i])) for i in range(len(items))]
+
+
+def kv_compress_prefill_metric(cache: PerHeadCache, queries: np.ndarray) -> None:
+    """KV-Compress's prefill metric in every head of every sequence of the cache
+    (kvpolicy.per_head_metric, mode "prefill"), from queries [L, 1, w, h_q, d], the prompt's
+    last queries (the same prompt in every sequence): each head's metric becomes the last
+    metric_window queries' squared causal attention, summed over them, max-pooled (kernel 7)
+    per query head, summed over the group. Each decode step's is added by the cache's
+    attention (PerHeadCache.attend)."""
+    S = cache.num_seqs
+    kvpolicy.per_head_metric(KV_COMPRESS, queries, cache.k, cache.metric, cache.tables, cache.lengths,
+                             seqs=np.arange(S), query_slots=np.zeros(S, dtype=np.int64), mode="prefill")

@@ -8,6 +8,13 @@ them all; only attention, through each sequence's own block table and length, di
 At each step where the reference picks an assistant token, each configuration's logits
 are compared with the reference's: top-1 agreement and KL(reference || configuration).
 
+KV-Compress (`kv_compress`) lives in a cache of its own, per-head blocks (per_head_cache.py):
+each (layer, KV head) of a sequence has its own table and length, and a compression frees
+the sequence's budget in blocks across all of them, the cheapest first by its metric
+(squared attention, accumulated every step). Its sequences share the decode step's matrix
+products with the others; only their attention reads the other cache. Its trigger is the
+threshold trigger's, on the tokens its heads hold together (PerHeadThreshold).
+
 Kara (`--presets kara`) compresses a window at a time instead of to a budget: each of its
 configurations (|W|, |U|, r) is compressed by kvp::trigger::periodic's rule, every
 KARA_PERIOD steps, the |W| tokens in whole blocks before the last block once the tokens
@@ -35,13 +42,19 @@ import compression
 import model
 import prompts
 from paged_cache import PagedCache, decode_step
+from per_head_cache import PerHeadCache
 
 BLOCK_SIZE = 64  # b: the threshold trigger compresses when a block fills past the budget
 QUERY_WINDOW = 32  # w of the query cache: the largest preset window (snapkv's 32)
+# KV-Compress's block (SPEC.md's b for it: the authors' vLLM integration's 16). It divides
+# the threshold trigger's 64, so a head's blocks are whole at every compression.
+PER_HEAD_BLOCK_SIZE = 16
 BUDGETS = (128, 256, 512)
-# The default set: issue 35's six. A head-adaptive preset (Hard-KV) keeps a count per head,
-# which the harness's one-length-per-sequence attention does not read (compression.py refuses it).
+# The default set: issue 35's six, and KV-Compress over its per-head cache. Hard-KV keeps a
+# count per head in the shared-table cache, which the harness's one-length-per-sequence
+# attention there does not read (compression.py refuses it).
 SEED_PRESETS = ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm")
+DEFAULT_PRESETS = SEED_PRESETS + ("kv_compress",)
 # Kara's protocol rows: (|W|, |U|, r), the window a multiple of the block size. Each window
 # keeps ceil(r (|W| - |U|)) tokens of W \ U and its buffer.
 KARA_SETTINGS = ((128, 16, 0.3), (128, 16, 0.5), (256, 32, 0.3), (256, 32, 0.5))
@@ -95,6 +108,24 @@ class Threshold:
 
 
 @dataclasses.dataclass(frozen=True)
+class PerHeadThreshold:
+    """The threshold trigger over a per-head cache: due when the sequence's position count
+    T is a multiple of b (Threshold's full last block, in the harness's blocks) and its
+    `rows` (layer, KV head) rows hold rows x (budget + b) tokens or more, the cache a uniform
+    preset holds when its trigger fires. Before a first compression every head holds T
+    tokens, so it fires at Threshold's step; after one (rows x budget tokens left, every
+    head a whole number of per-head blocks, as b is a multiple of theirs) b steps later,
+    as Threshold does."""
+
+    block_size: int
+    budget: int
+    rows: int
+
+    def due(self, positions: int, tokens: int) -> bool:
+        return positions % self.block_size == 0 and tokens >= self.rows * (self.budget + self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class Periodic:
     """kvp::trigger::periodic (engine/triggers.hpp, Kara C.4), max_items 0: at every
     `period`-th step after the first |W|, a sequence whose window (the |W| tokens in whole
@@ -123,17 +154,37 @@ class Periodic:
 
 
 class Engine:
-    """The paged cache of every configuration, the trigger, and the compression calls."""
+    """The caches of every configuration (the paged cache; KV-Compress's per-head cache), the
+    triggers, and the compression calls."""
 
     def __init__(self, w: model.Weights, configs: list[SeqConfig], prompt_len: int, max_len: int,
-                 block_size: int = BLOCK_SIZE, kara_period: int | None = None):
+                 block_size: int = BLOCK_SIZE, kara_period: int | None = None,
+                 per_head_block_size: int = PER_HEAD_BLOCK_SIZE):
         self.w = w
         self.configs = configs
         self.b = b = block_size
-        self.triggers: list[Threshold | Periodic | None] = []
-        peak = []
+        cfg = w.config
+        # Each configuration's sequence in its cache: the paged cache's, or the per-head one's.
+        self.per_head_ids = np.array([i for i, c in enumerate(configs) if c.preset == "kv_compress"], dtype=np.int64)
+        self.paged_ids = np.array([i for i, c in enumerate(configs) if c.preset != "kv_compress"], dtype=np.int64)
+        self.local = {int(i): j for ids in (self.paged_ids, self.per_head_ids) for j, i in enumerate(ids)}
+        self.triggers: list[Threshold | PerHeadThreshold | Periodic | None] = []
+        peak = []  # the paged cache's blocks, per sequence
+        per_head_peak = []  # the per-head cache's, per sequence
+        rows = cfg.n_layers * cfg.n_kv_heads
+        bh = per_head_block_size
         for c in configs:
-            if c.preset is None:
+            if c.preset == "kv_compress":
+                if c.budget % b or b % bh:
+                    raise ValueError(f"{c.name}: the budget must be a multiple of the block size {b}, and {b} a "
+                                     f"multiple of the per-head block size {bh}")
+                self.triggers.append(PerHeadThreshold(block_size=b, budget=c.budget, rows=rows))
+                # Until the first compression every head grows to the trigger's length (at most
+                # the session's); after, the sequence holds rows x (budget + b) tokens at most,
+                # each head's last block partial at worst.
+                first = max(-(-(prompt_len + 1) // b) * b, c.budget + b)
+                per_head_peak.append(rows * (-(-min(max_len, first) // bh) + 2))
+            elif c.preset is None:
                 self.triggers.append(None)
                 peak.append(-(-max_len // b) + 1)
             elif c.preset == "kara":
@@ -148,30 +199,60 @@ class Engine:
                 self.triggers.append(t)
                 # Before the first compression the prompt and up to a block more; after, N_max.
                 peak.append(max(-(-prompt_len // b) + 1, t.max_blocks) + 1)
-        windows = {i: c.window for i, c in enumerate(configs) if c.preset == "kara"}
+        windows = {self.local[i]: c.window for i, c in enumerate(configs) if c.preset == "kara"}
         # A window's queries are at most |W| + b positions old when it is compressed.
         history = max(windows.values(), default=0) + b
-        self.cache = PagedCache(w.config, len(configs), sum(peak), b, max(peak), QUERY_WINDOW, list(windows), history)
+        self.cache = PagedCache(cfg, len(self.paged_ids), sum(peak), b, max(peak), QUERY_WINDOW, list(windows), history)
+        self.per_head = (PerHeadCache(cfg, len(self.per_head_ids), sum(per_head_peak), bh, -(-max_len // bh) + 1,
+                                      compression.KV_COMPRESS.excluded_distance) if len(self.per_head_ids) else None)
         self.states = [SeqState() for _ in configs]
-        self.attended = np.zeros(len(configs), dtype=np.int64)  # tokens the last logits attended to
+        # Tokens the last logits attended to: per (layer, KV head), the mean of the heads' for KV-Compress.
+        self.attended = np.zeros(len(configs))
         self.step_count = 0  # decode steps run, probes included
         self.clock = 0  # the engine's step counter the periodic trigger reads (a probe goes on from the last turn's)
         self.compress_seconds = 0.0
         self.compress_calls = 0
+        self.short_frees = 0  # KV-Compress compressions that freed fewer blocks than their budget asked
         self.keepmaps: dict[int, list[dict]] = {i: [] for i, c in enumerate(configs) if c.preset}
+
+    def cache_tokens(self) -> np.ndarray:
+        """[configs]: tokens per (layer, KV head) each holds (KV-Compress: the mean over its heads)."""
+        out = np.empty(len(self.configs))
+        out[self.paged_ids] = self.cache.lengths
+        if self.per_head is not None:
+            out[self.per_head_ids] = self.per_head.mean_tokens()
+        return out
+
+    def snapshot(self) -> tuple:
+        return self.cache, self.per_head, self.states, self.clock
+
+    def restore(self, snap: tuple) -> None:
+        """Copies of a snapshot's caches and states (the snapshot stays as it was)."""
+        cache, per_head, states, clock = snap
+        self.cache = cache.snapshot()
+        self.per_head = per_head.snapshot() if per_head is not None else None
+        self.states = [dataclasses.replace(s) for s in states]
+        self.clock = clock
 
     def prefill(self, tokens: list[int]) -> np.ndarray:
         """The first user turn, once, copied into every sequence (none is compressed yet)."""
         logits, k, v, q = model.prefill_dense(self.w, np.asarray(tokens))
         self.cache.fill_prompt(k, v, q)
+        if self.per_head is not None:
+            self.per_head.fill_prompt(k, v)
+            window = q[:, -compression.KV_COMPRESS.metric_window :]
+            compression.kv_compress_prefill_metric(self.per_head, np.ascontiguousarray(window[:, None]))
         self.attended[:] = len(tokens)
         for s in self.states:
             s.generated_since_compression = len(tokens)
         return np.repeat(logits[-1:], len(self.configs), axis=0)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
-        logits = decode_step(self.w, self.cache, tokens)
-        self.attended[:] = self.cache.lengths
+        parts = [(self.cache, self.paged_ids)]
+        if self.per_head is not None:
+            parts.append((self.per_head, self.per_head_ids))
+        logits = decode_step(self.w, parts, tokens)
+        self.attended[:] = self.cache_tokens()
         self.step_count += 1
         self.clock += 1
         for s in self.states:
@@ -181,42 +262,66 @@ class Engine:
 
     def _compress_due(self) -> None:
         # One call per preset, and per Kara (window, buffer): the policy of a call is one.
+        # Items name a sequence of their own cache; paged_ids / per_head_ids map it back to its configuration.
         calls: dict[tuple, list[compression.Item]] = {}
         for i, (c, t) in enumerate(zip(self.configs, self.triggers)):
-            T, st = int(self.cache.lengths[i]), self.states[i]
+            j, st = self.local[i], self.states[i]
+            if isinstance(t, PerHeadThreshold):
+                if t.due(int(self.per_head.next_pos[j]), self.per_head.tokens(j)):
+                    item = compression.Item(seq=j, budget=t.budget, history_tokens=0)
+                    calls.setdefault(("kv_compress",), []).append(item)
+                continue
+            T = int(self.cache.lengths[j])
             if isinstance(t, Periodic):
                 if t.due(st, T, self.clock):
                     begin = t.window_begin_of(T)
                     calls.setdefault(("kara", c.window, c.buffer), []).append(compression.Item(
-                        seq=i, budget=t.budget, history_tokens=max(0, st.history_tokens - begin), window_begin=begin))
+                        seq=j, budget=t.budget, history_tokens=max(0, st.history_tokens - begin), window_begin=begin))
             elif t is not None and t.due(T):
                 calls.setdefault((c.preset,), []).append(
-                    compression.Item(seq=i, budget=t.budget, history_tokens=st.history_tokens)
+                    compression.Item(seq=j, budget=t.budget, history_tokens=st.history_tokens)
                 )
         for key, items in calls.items():
             t0 = time.perf_counter()
-            if key[0] == "kara":
+            if key[0] == "kv_compress":
+                results = compression.compress_per_head(self.per_head, items)
+            elif key[0] == "kara":
                 results = compression.compress_windows(self.cache, items, window=key[1], buffer=key[2])
             else:
                 results = compression.compress(key[0], self.cache, items)
             self.compress_seconds += time.perf_counter() - t0
             self.compress_calls += 1
             for it, r in zip(items, results):
-                self.cache.release(it.seq, r.new_length, r.released_blocks)
-                st = self.states[it.seq]
-                st.history_tokens = r.new_length
+                if key[0] == "kv_compress":
+                    i = int(self.per_head_ids[it.seq])
+                    self.per_head.release(it.seq, r.new_lengths, r.freed_blocks, r.freed_counts)
+                    self.short_frees += r.freed < r.asked
+                    st = self.states[i]
+                else:
+                    i = int(self.paged_ids[it.seq])
+                    self.cache.release(it.seq, r.new_length, r.released_blocks)
+                    st = self.states[i]
+                    st.history_tokens = r.new_length
                 st.generated_since_compression = 0
                 st.compressions += 1
-                self._record_keepmap(it.seq, r.new_length)
+                self._record_keepmap(i)
 
-    def _record_keepmap(self, seq: int, length: int) -> None:
-        nb = -(-length // self.b)
-        tbl = self.cache.block_table[seq, :nb]
+    def _record_keepmap(self, i: int) -> None:
+        """The positions config i's heads of KEEPMAP_LAYERS hold, ascending: [layer][KV head][...]."""
+        j = self.local[i]
         layers = [l for l in KEEPMAP_LAYERS if l < self.w.config.n_layers]
-        pos = self.cache.positions[layers][:, tbl].reshape(len(layers), -1, self.w.config.n_kv_heads)
-        self.keepmaps[seq].append(
-            {"step": self.step_count, "next_pos": int(self.cache.next_pos[seq]), "positions": pos[:, :length].transpose(0, 2, 1).tolist()}
-        )
+        hk = self.w.config.n_kv_heads
+        if self.configs[i].preset == "kv_compress":
+            ph = self.per_head
+            pos = [[ph.head_positions(l, j, h).tolist() for h in range(hk)] for l in layers]
+            next_pos = ph.next_pos[j]
+        else:
+            length = int(self.cache.lengths[j])
+            tbl = self.cache.block_table[j, : -(-length // self.b)]
+            pos = self.cache.positions[layers][:, tbl].reshape(len(layers), -1, hk)[:, :length]
+            pos = pos.transpose(0, 2, 1).tolist()
+            next_pos = self.cache.next_pos[j]
+        self.keepmaps[i].append({"step": self.step_count, "next_pos": int(next_pos), "positions": pos})
 
 
 def kl_and_top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +346,9 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
     t0 = time.perf_counter()
     logits = eng.prefill(first)
     log(f"[{session.name}] prompt {len(first)} tokens prefilled in {time.perf_counter() - t0:.1f}s; {S} sequences, "
-        f"{eng.cache.num_blocks} blocks of {eng.b}")
+        f"{eng.cache.num_blocks} blocks of {eng.b}"
+        + (f"; {len(eng.per_head_ids)} in the per-head cache, {eng.per_head.num_blocks} blocks of {eng.per_head.b}"
+           if eng.per_head is not None else ""))
     for ti, turn in enumerate(session.turns):
         if ti > 0:
             for t in tok.encode(f"\n<|im_start|>user\n{turn.user}<|im_end|>\n<|im_start|>assistant\n").ids:
@@ -260,17 +367,17 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
         answers.append(tok.decode(gen))
         el = time.perf_counter() - t0
         log(f"[{session.name}] turn {ti + 1}/{len(session.turns)}: {len(gen)} tokens; {eng.step_count} steps, "
-            f"{el:.0f}s ({el / max(eng.step_count, 1):.2f} s/step), compress {eng.compress_seconds:.1f}s in {eng.compress_calls} calls")
+            f"{el:.0f}s ({el / max(eng.step_count, 1):.2f} s/step), compress {eng.compress_seconds:.1f}s in "
+            f"{eng.compress_calls} calls")
 
     # Probes: each on its own copy of every cache; every configuration answers for itself.
-    base_cache = eng.cache.snapshot()
-    base_states = [dataclasses.replace(s) for s in eng.states]
+    base = eng.snapshot()
+    base_states = base[2]
     base_steps = eng.step_count
-    base_clock = eng.clock
+    final_tokens = eng.cache_tokens()
     probe_results = []
     for p in session.probes:
-        eng.cache, eng.states = base_cache.snapshot(), [dataclasses.replace(s) for s in base_states]
-        eng.clock = base_clock
+        eng.restore(base)
         for t in tok.encode(f"\n<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n").ids:
             logits = eng.step(np.full(S, t))
         outs = [[] for _ in range(S)]
@@ -302,18 +409,36 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
         "seconds": el,
         "compress_seconds": eng.compress_seconds,
         "compress_calls": eng.compress_calls,
+        "kv_compress_short_frees": eng.short_frees,
         "peak_blocks": int(eng.cache.peak_blocks_used),
+        "per_head_peak_blocks": int(eng.per_head.peak_blocks_used) if eng.per_head is not None else None,
         "kl": np.array(kls).T.tolist(),  # [config][step]
         "agree": np.array(agrees).T.astype(int).tolist(),
         "turn_of_step": turn_of_step,
         "compressions": [s.compressions for s in base_states],
-        # Tokens each configuration's attention read for the measured logits, and its length
-        # after the last turn.
+        # Tokens per (layer, KV head) each configuration's attention read for the measured
+        # logits, and held after the last turn (KV-Compress: the mean over its heads).
         "cache_tokens": np.array(attended).T.tolist(),  # [config][step]
-        "final_lengths": [int(x) for x in base_cache.lengths],
+        "final_lengths": [int(x) if x == int(x) else round(float(x), 1) for x in final_tokens],
         "probes": probe_results,
         "keepmaps": {configs[i].name: v for i, v in eng.keepmaps.items()},
     }
+
+
+def parse_keywords(text: str) -> dict:
+    """'a=1,b=0.5,c=layer' -> {'a': 1, 'b': 0.5, 'c': 'layer'}."""
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--kv-compress: {item!r} is not KEY=VALUE")
+        for kind in (int, float, str):
+            try:
+                out[key.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
+    return out
 
 
 def main(argv=None) -> int:
@@ -322,15 +447,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"), help="where results.json goes")
     ap.add_argument("--scale", type=float, default=None, help="multiply every turn's token cap (default 1; quick 0.2)")
     ap.add_argument("--sessions", default=None, help="comma-separated session names (default: all; quick: story)")
-    ap.add_argument("--presets", default=",".join(SEED_PRESETS),
-                    help="comma-separated presets (default: the six seed presets; 'kara' runs Kara's window "
-                         "configurations, see --kara); 'none' runs the full cache alone")
+    ap.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
+                    help="comma-separated presets (default: the six seed presets and kv_compress, over a per-head "
+                         "cache; 'kara' runs Kara's window configurations, see --kara); 'none' runs the full "
+                         "cache alone")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
                     help="comma-separated budgets of the budgeted presets, multiples of the block size "
                          f"(default {','.join(map(str, BUDGETS))})")
     ap.add_argument("--kara", default=",".join(f"{w}/{u}/{r:g}" for w, u, r in KARA_SETTINGS),
                     help="Kara's configurations, comma-separated window/buffer/ratio (default: "
                          + ", ".join(f"{w}/{u}/{r:g}" for w, u, r in KARA_SETTINGS) + ")")
+    ap.add_argument("--kv-compress", default="", metavar="KEY=VALUE,...",
+                    help="kv_compress with some KVCompress keywords changed, e.g. excluded_distance=10 (KVC-full's "
+                         "v); default: the preset's published parameters. Its budget is --budgets' (max_cache_tokens)")
     ap.add_argument("--blas-threads", type=int, default=1,
                     help="BLAS threads (default 1: on the shared 2-core machine two threads made the small "
                          "per-layer products 6x slower, 60 ms against 9 ms for the gate/up product)")
@@ -344,13 +473,18 @@ def run(args) -> int:
         print(msg, flush=True)
 
     t0 = time.perf_counter()
-    w = model.load()
-    tok = model.build_tokenizer(w.tokenizer_fields)
-    log(f"model {w.path.name} loaded and dequantised in {time.perf_counter() - t0:.1f}s; compression backend: {compression.BACKEND}")
     presets = [] if args.presets == "none" else args.presets.split(",")
     unknown = [p for p in presets if p not in compression.PRESETS]
     if unknown:
         raise SystemExit(f"unknown presets {unknown}; kvpolicy has {list(compression.PRESETS)}")
+    if args.kv_compress:  # checked before the model loads
+        try:
+            compression.configure_kv_compress(parse_keywords(args.kv_compress))
+        except (TypeError, compression.kvpolicy.Error) as e:
+            raise SystemExit(f"--kv-compress: {e}") from None
+    w = model.load()
+    tok = model.build_tokenizer(w.tokenizer_fields)
+    log(f"model {w.path.name} loaded and dequantised in {time.perf_counter() - t0:.1f}s; compression backend: {compression.BACKEND}")
     budgets = [int(b) for b in args.budgets.split(",")]
     budgeted = [p for p in presets if p != "kara"]
     kara = [kara_config(int(w), int(u), float(r)) for w, u, r in (x.split("/") for x in args.kara.split(","))] \
@@ -370,6 +504,8 @@ def run(args) -> int:
         "blas_threads": args.blas_threads,
         "budgets": budgets,
         "kara_period": KARA_PERIOD,
+        "per_head_block_size": PER_HEAD_BLOCK_SIZE,
+        "kv_compress": compression.KV_COMPRESS.params(),
         "presets": presets,
         "keepmap_layers": list(KEEPMAP_LAYERS),
         "configs": [dataclasses.asdict(c) for c in configs],

@@ -144,33 +144,84 @@ class PagedCache:
             raise RuntimeError(f"seq {seq}: position {first} has left the query ring of {self.history_len}")
         return self.history[:, row, (first + np.arange(count)) % self.history_len]
 
+    # -- one decode step (decode_step calls these) ----------------------------------
+
+    def begin_step(self) -> np.ndarray:
+        """Allocate the new token's slot in every sequence; returns its position per sequence."""
+        t_new = self.lengths.copy()  # slot of the new token in each sequence
+        for s in range(self.num_seqs):
+            self._allocate(s, int(t_new[s]) + 1)
+        pos = self.next_pos.copy()
+        self._step = {
+            "t": t_new,
+            "blk": self.block_table[np.arange(self.num_seqs), t_new // self.b],
+            "slot": t_new % self.b,
+            "pos": pos,
+            "ring": pos % self.window,
+            # Sequences of equal length (the presets at one budget compress at the same
+            # steps) share one batched attention product.
+            "groups": [np.flatnonzero(t_new == T) for T in np.unique(t_new)],
+            "h_seqs": np.fromiter(self.history_row, dtype=np.int64),  # sequences with a long query ring
+            "h_rows": np.fromiter(self.history_row.values(), dtype=np.int64),
+        }
+        return pos
+
+    def attend(self, l: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Layer l: write the new token (k, v: [seqs, h_kv, d]; q: [seqs, h_q, d]) and its
+        query, then attend through each sequence's table and length. Returns [seqs, h_kv, G, d]."""
+        st = self._step
+        S, hk, d = k.shape
+        G = self.cfg.group
+        blk, slot, pos, ring = st["blk"], st["slot"], st["pos"], st["ring"]
+        self.kv[0, l, blk, slot] = k
+        self.kv[1, l, blk, slot] = v
+        self.positions[l, blk, slot] = pos[:, None]
+        self.queries[l, np.arange(S), ring] = q
+        self.queries[l, np.arange(S), ring + self.window] = q
+        if len(st["h_seqs"]):
+            self.history[l, st["h_rows"], pos[st["h_seqs"]] % self.history_len] = q[st["h_seqs"]]
+        o = np.empty((S, hk, G, d), dtype=np.float32)
+        kl, vl = self.kv[0, l], self.kv[1, l]
+        scale = np.float32(1.0 / np.sqrt(d))
+        for g in st["groups"]:
+            T = int(st["t"][g[0]]) + 1
+            nb = -(-T // self.b)
+            tbl = self.block_table[g, :nb]  # [n, nb]
+            K = kl[tbl].reshape(len(g), nb * self.b, hk, d)[:, :T]  # [n, T, hk, d]
+            V = vl[tbl].reshape(len(g), nb * self.b, hk, d)[:, :T]
+            qg = q[g].reshape(len(g), hk, G, d)
+            sc = np.matmul(qg, K.transpose(0, 2, 3, 1)) * scale  # [n, hk, G, T]
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            sc /= sc.sum(axis=-1, keepdims=True)
+            o[g] = np.matmul(sc, V.transpose(0, 2, 1, 3))  # [n, hk, G, d]
+        return o
+
+    def end_step(self) -> None:
+        self.lengths += 1
+        self.next_pos += 1
+
     def snapshot(self) -> "PagedCache":
         return copy.deepcopy(self)
 
 
-def decode_step(w: Weights, cache: PagedCache, tokens: np.ndarray) -> np.ndarray:
-    """One token for every sequence of the cache (tokens: [S]); returns logits [S, vocab].
+def decode_step(w: Weights, caches, tokens: np.ndarray) -> np.ndarray:
+    """One token for every sequence (tokens: [S]); returns logits [S, vocab].
 
-    The weights are read once for all sequences (one matrix product per weight); only
-    attention is per sequence, each through its own block table and length. Sequences of
-    equal length (the presets at one budget compress at the same steps) share one batched
-    attention product.
+    `caches` is one cache holding all S sequences, or a list of (cache, rows): the rows of
+    `tokens` (and of the logits) that each cache holds, in its own sequence order (a
+    PagedCache, or per_head_cache.PerHeadCache for KV-Compress). The weights are read once
+    for all sequences (one matrix product per weight, whichever cache a sequence lives
+    in); only attention is per cache and per sequence, each cache reading its own tables
+    and lengths.
     """
     c = w.config
-    S = cache.num_seqs
-    hq, hk, d, G = c.n_heads, c.n_kv_heads, c.head_dim, c.group
-    t_new = cache.lengths.copy()  # slot of the new token in each sequence
-    for s in range(S):
-        cache._allocate(s, int(t_new[s]) + 1)
-    blk = cache.block_table[np.arange(S), t_new // cache.b]
-    slot = t_new % cache.b
-    pos = cache.next_pos.copy()
-    ring = pos % cache.window
+    S = len(tokens)
+    parts = [(caches, np.arange(S))] if not isinstance(caches, (list, tuple)) else caches
+    hq, hk, d = c.n_heads, c.n_kv_heads, c.head_dim
+    pos = np.empty(S, dtype=np.int64)
+    for cache, rows in parts:
+        pos[rows] = cache.begin_step()
     cos, sin = rope_tables(c, pos)
-    groups = [np.flatnonzero(t_new == T) for T in np.unique(t_new)]
-    h_seqs = np.fromiter(cache.history_row, dtype=np.int64)  # sequences with a long query ring
-    h_rows = np.fromiter(cache.history_row.values(), dtype=np.int64)
-    scale = np.float32(1.0 / np.sqrt(d))
 
     x = w.embed[tokens]
     for l in range(c.n_layers):
@@ -179,30 +230,13 @@ def decode_step(w: Weights, cache: PagedCache, tokens: np.ndarray) -> np.ndarray
         q = apply_rope(qkv[:, : c.hidden].reshape(S, hq, d), cos, sin)
         k = apply_rope(qkv[:, c.hidden : c.hidden + hk * d].reshape(S, hk, d), cos, sin)
         v = qkv[:, c.hidden + hk * d :].reshape(S, hk, d)
-        cache.kv[0, l, blk, slot] = k
-        cache.kv[1, l, blk, slot] = v
-        cache.positions[l, blk, slot] = pos[:, None]
-        cache.queries[l, np.arange(S), ring] = q
-        cache.queries[l, np.arange(S), ring + cache.window] = q
-        if len(h_seqs):
-            cache.history[l, h_rows, pos[h_seqs] % cache.history_len] = q[h_seqs]
-        o = np.empty((S, hk, G, d), dtype=np.float32)
-        kl, vl = cache.kv[0, l], cache.kv[1, l]
-        for g in groups:
-            T = int(t_new[g[0]]) + 1
-            nb = -(-T // cache.b)
-            tbl = cache.block_table[g, :nb]  # [n, nb]
-            K = kl[tbl].reshape(len(g), nb * cache.b, hk, d)[:, :T]  # [n, T, hk, d]
-            V = vl[tbl].reshape(len(g), nb * cache.b, hk, d)[:, :T]
-            qg = q[g].reshape(len(g), hk, G, d)
-            sc = np.matmul(qg, K.transpose(0, 2, 3, 1)) * scale  # [n, hk, G, T]
-            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
-            sc /= sc.sum(axis=-1, keepdims=True)
-            o[g] = np.matmul(sc, V.transpose(0, 2, 1, 3))  # [n, hk, G, d]
+        o = np.empty((S, hk, c.group, d), dtype=np.float32)
+        for cache, rows in parts:
+            o[rows] = cache.attend(l, q[rows], k[rows], v[rows])
         x = x + o.reshape(S, c.hidden) @ w.wo[l]
         h = rmsnorm(x, w.ffn_norm[l], c.rms_eps)
         gu = h @ w.wgu[l]
         x = x + (silu(gu[:, : c.ffn]) * gu[:, c.ffn :]) @ w.wdown[l]
-    cache.lengths += 1
-    cache.next_pos += 1
+    for cache, _ in parts:
+        cache.end_step()
     return rmsnorm(x, w.out_norm, c.rms_eps) @ w.embed_t

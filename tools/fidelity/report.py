@@ -18,7 +18,11 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).parent
 LABELS = {"zipage": "Zipage", "rkv": "R-KV", "gkv": "G-KV", "snapkv": "SnapKV", "h2o": "H2O", "streaming_llm": "StreamingLLM",
-          "kara": "Kara"}
+          "kv_compress": "KV-Compress", "kara": "Kara"}
+ROWS = 30 * 3  # SmolLM2-135M's (layer, KV head) rows: a sequence's cache is ROWS x its tokens per head
+# kvpolicy.preset("kv_compress").params(), for the page to say whether a run changed them.
+PUBLISHED_KV_COMPRESS = {"protected_window": 64, "sinks": 0, "budget": "sequence", "max_cache_tokens": -1,
+                         "compression_rate": 1.0, "metric_window": 32, "pool_kernel": 7, "excluded_distance": 0}
 
 
 def summarise(res: dict) -> dict:
@@ -86,7 +90,8 @@ def plot_agreement(res: dict, summ: dict, path: pathlib.Path) -> None:
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget (tokens kept per layer and KV head)")
+        ax.set_xlabel("budget (tokens kept per layer and KV head"
+                      + ("; KV-Compress: on average)" if "kv_compress" in res["presets"] else ")"))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     steps = sum(s["measured_steps"] for s in res["sessions"])
@@ -351,6 +356,57 @@ def kara_section(kres: dict, ksumm: dict, res: dict, summ: dict, computed: bool 
     return L
 
 
+def kv_compress_protocol(res: dict) -> list[str]:
+    """The protocol's KV-Compress bullet: its cache, metric, budget and trigger."""
+    p, bh, b = res["kv_compress"], res["per_head_block_size"], res["block_size"]
+    short = sum(s.get("kv_compress_short_frees", 0) for s in res["sessions"])
+    return [
+        f"- **KV-Compress** (`kvpolicy.KVCompress`: metric window {p['metric_window']}, max pool {p['pool_kernel']}, "
+        f"excluded distance {p['excluded_distance']}, protected window {p['protected_window']}, sinks {p['sinks']}, "
+        f"budget per {p['budget']}"
+        + (", the preset's published parameters" if p == PUBLISHED_KV_COMPRESS else ", set by `harness.py --kv-compress`")
+        + ") runs over a per-head block cache (`tools/fidelity/per_head_cache.py`, KV-Compress 4.2.1): "
+        f"one K/V pool `[blocks, {bh}, 64]` for every layer and head, blocks of {bh} tokens (the paper's), tables "
+        "`[L, seqs, 3, max_blocks]` and lengths `[L, seqs, 3]`, one fp32 metric and one int32 position per slot, "
+        "compressed by `kvpolicy.compress_per_head`. Its metric is the prompt's last "
+        f"{p['metric_window']} queries' squared attention (`kvpolicy.per_head_metric`, prefill), to which every "
+        "decoded query's squared attention, summed over its group, is added by the harness's attention as it "
+        "decodes (eq. 20; the tests hold it to `per_head_metric`'s decode mode). Each head attends through its "
+        "own table and length; a head's kept tokens keep their original positions (their K was rotated there) "
+        "but not their order.",
+        f"- **KV-Compress's budget**: budget B is `max_cache_tokens = B`, which frees `held blocks - {ROWS} x B / "
+        f"{bh}` blocks (`kvpolicy.blocks_to_free`) across the sequence's {ROWS} (layer, KV head) rows, the "
+        f"cheapest by the metric, so the sequence keeps {ROWS} x B tokens: the cache a uniform preset keeps at "
+        "budget B, spread over the heads by the metric instead of B in each (never fewer than the protected "
+        f"window). It is compressed when its position count is a multiple of {b} and its heads hold {ROWS} x "
+        f"(B + {b}) tokens together: the uniform presets' steps (before a first compression every head holds "
+        f"the position count; after one, {b} steps later), so its mean cache per head equals theirs at every "
+        "step. "
+        + ("It freed every block its budget asked at every compression."
+           if short == 0 else f"{short} compressions freed fewer blocks than asked (too few unprotected tokens)."),
+    ]
+
+
+def kv_compress_heads(res: dict) -> list[str]:
+    """Where KV-Compress spent its budget: the tokens each recorded head held after the last
+    compression of the keep-map session's conversation (before the probes)."""
+    session, _, _, _ = pick_keepmap(res)
+    s = next(x for x in res["sessions"] if x["name"] == session)
+    recs = {bb: [r for r in s["keepmaps"].get(f"kv_compress@{bb}", []) if r["step"] <= s["conversation_steps"]]
+            for bb in res["budgets"]}
+    last = {bb: r[-1] for bb, r in recs.items() if r}
+    if not last:
+        return []
+    L = ["", f"Where KV-Compress spends its budget: the tokens each KV head held after its last compression of the "
+         f"'{session}' conversation (before the probes), in the layers the keep map records (a uniform preset holds "
+         "the budget in every head):",
+         "", "| layer | " + " | ".join(f"budget {bb}" for bb in last) + " |", "|---|" + "---:|" * len(last)]
+    for li, layer in enumerate(res["keepmap_layers"]):
+        L.append(f"| {layer} | " + " | ".join(", ".join(str(len(h)) for h in r["positions"][li]) for r in last.values())
+                 + " |")
+    return L
+
+
 def budgeted(res: dict) -> list[str]:
     """The presets compressed to a budget (every one but Kara)."""
     return [p for p in res["presets"] if p != "kara"]
@@ -422,9 +478,12 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "- **Reference**: sequence 0 of the cache keeps everything and decodes greedily; each assistant turn "
         "ends at `<|im_end|>` or at its token cap.",
         f"- **Configurations**: every preset ({', '.join(LABELS[p] for p in budgeted(res))}) at budgets "
-        f"{', '.join(map(str, budgets))}, {len(res['configs']) - 1} sequences of the same paged cache, each fed "
-        "the reference's tokens (teacher forcing), so one matrix product per weight serves all of them and "
-        "only attention, through each sequence's block table and length, differs.",
+        f"{', '.join(map(str, budgets))}, {len(res['configs']) - 1} sequences "
+        + ("of the same paged cache" if "kv_compress" not in res["presets"]
+           else f"(KV-Compress's {len(budgets)} in a per-head cache of their own, below; the others in the same "
+                "paged cache)")
+        + ", each fed the reference's tokens (teacher forcing), so one matrix product per weight serves all of "
+        "them and only attention, through each sequence's block table and length, differs.",
         f"- **Trigger**: `kvp::trigger::threshold` with block size {res['block_size']} and `N_max = budget / "
         f"{res['block_size']} + 1`: a sequence is compressed to its budget when its length reaches budget + "
         f"{res['block_size']} (a full last block), after any decode step; user turns are fed a token per step too, "
@@ -433,6 +492,10 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "reads its newest `w`), F `[L, blocks, b, 3]` fp32 and positions `[L, blocks, b, 3]` int32, all of them "
         "NumPy arrays handed to `kvpolicy.PagedCache` / `kvpolicy.compress` with no copy. K is stored with RoPE "
         "at its original position and never rotated again.",
+    ]
+    if "kv_compress" in res["presets"]:
+        L += kv_compress_protocol(res)
+    L += [
         "- **Metrics**, at every step where the reference picks an assistant token: top-1 agreement (the "
         "configuration's argmax equals the reference's) and KL(reference || configuration), averaged over "
         f"{sum(s['measured_steps'] for s in sessions)} steps. **Facts**: each question is asked on a copy of "
@@ -479,6 +542,8 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "preset is measured at the same steps). An interval that includes 0 does not separate the two.",
         "",
     ] + paired(res, summ)
+    if "kv_compress" in res["presets"]:
+        L += kv_compress_heads(res)
     L += [
         "",
         "![agreement and KL against budget](fidelity_agreement.png)",
