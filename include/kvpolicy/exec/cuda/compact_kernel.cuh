@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(row_threads) compact_kernel(P p, paged_kv_view
   if (T <= 0) return;
   if (with_live) {
     // Cleared before gather marks the destinations: nothing in this kernel reads them.
-    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) cache.live.at(rc.layer, to_table.block(t / b), t % b, rc.head) = 0;
+    for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x)
+      cache.live.at(rc.layer, to_table.block(t / b), t % b, rc.head) = 0;
     __syncthreads();
   }
   sidecar_move side, side_next;
