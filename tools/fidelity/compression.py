@@ -50,19 +50,23 @@ _policies = {name: kvpolicy.preset(name) for name in kvpolicy.PRESETS}  # publis
 KV_COMPRESS = kvpolicy.preset("kv_compress")  # published parameters (configure_kv_compress); budget per item
 
 
+# Presets that keep a count per (layer, KV head) (Hard-KV's calibrated top-p): compressed
+# over the cache's live bytes (cautious update), each with L_upper = its budget.
+HEAD_ADAPTIVE = ("hard_kv", "hard_kv_rkv")
+
+
 def _results(preset: str, r, n: int) -> list[ItemResult]:
     counts = np.asarray(r.kept_counts)
     for i in range(n):
-        if (counts[i] != r.new_lengths[i]).any():
-            # A head-adaptive selector (Hard-KV's) keeps a count per head; the harness's
-            # attention reads one length per sequence, so such a preset needs per-head lengths.
-            raise NotImplementedError(f"{preset}: kept counts differ across heads; the harness reads one length per sequence")
+        if preset not in HEAD_ADAPTIVE and (counts[i] != r.new_lengths[i]).any():
+            raise RuntimeError(f"{preset}: kept counts differ across heads, which only a head-adaptive preset does")
     return [ItemResult(int(r.new_lengths[i]), [int(b) for b in r.released(i)]) for i in range(n)]
 
 
-def _view(cache: PagedCache):
+def _view(cache: PagedCache, live: bool = False):
     return kvpolicy.PagedCache(
-        "nano_vllm", cache.kv, block_table=cache.block_table, lengths=cache.lengths, positions=cache.positions
+        "nano_vllm", cache.kv, block_table=cache.block_table, lengths=cache.lengths, positions=cache.positions,
+        live=cache.live if live else None,
     )
 
 
@@ -70,9 +74,16 @@ def compress(preset: str, cache: PagedCache, items: list[Item]) -> list[ItemResu
     """Compress `items` of `cache` in place with the named preset (one batch, one call)."""
     if preset == "kara":
         raise ValueError("kara compresses windows: compress_windows(cache, items, window, buffer)")
+    policy, adaptive = _policies[preset], preset in HEAD_ADAPTIVE
+    if adaptive:
+        # Each head keeps what its calibrated top-p set needs, at most the budget (L_upper).
+        budgets = {it.budget for it in items}
+        if len(budgets) != 1:
+            raise ValueError(f"{preset}: one call per budget (its L_upper), got budgets {sorted(budgets)}")
+        policy = kvpolicy.preset(preset, **{**policy.params(), "upper": budgets.pop()})
     r = kvpolicy.compress(
-        _policies[preset],
-        _view(cache),
+        policy,
+        _view(cache, live=adaptive),
         seqs=np.array([it.seq for it in items]),
         budgets=np.array([it.budget for it in items]),
         history_tokens=np.array([it.history_tokens for it in items]),

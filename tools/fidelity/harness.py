@@ -15,6 +15,10 @@ the sequence's budget in blocks across all of them, the cheapest first by its me
 products with the others; only their attention reads the other cache. Its trigger is the
 threshold trigger's, on the tokens its heads hold together (PerHeadThreshold).
 
+Hard-KV (`hard_kv`) keeps a count per (layer, KV head) in the paged cache, at most the budget
+(its L_upper); the cache's live bytes (cautious update) say which slots each head holds,
+which its attention reads and its later compressions skip. The same trigger as the others.
+
 Kara (`--presets kara`) compresses a window at a time instead of to a budget: each of its
 configurations (|W|, |U|, r) is compressed by kvp::trigger::periodic's rule, every
 KARA_PERIOD steps, the |W| tokens in whole blocks before the last block once the tokens
@@ -50,11 +54,10 @@ QUERY_WINDOW = 32  # w of the query cache: the largest preset window (snapkv's 3
 # the threshold trigger's 64, so a head's blocks are whole at every compression.
 PER_HEAD_BLOCK_SIZE = 16
 BUDGETS = (128, 256, 512)
-# The default set: issue 35's six, and KV-Compress over its per-head cache. Hard-KV keeps a
-# count per head in the shared-table cache, which the harness's one-length-per-sequence
-# attention there does not read (compression.py refuses it).
+# The default set: issue 35's six, KV-Compress over its per-head cache, and Hard-KV, whose
+# per-head counts in the shared-table cache its attention reads through the live bytes.
 SEED_PRESETS = ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm")
-DEFAULT_PRESETS = SEED_PRESETS + ("kv_compress",)
+DEFAULT_PRESETS = SEED_PRESETS + ("kv_compress", "hard_kv")
 # Kara's protocol rows: (|W|, |U|, r), the window a multiple of the block size. Each window
 # keeps ceil(r (|W| - |U|)) tokens of W \ U and its buffer.
 KARA_SETTINGS = ((128, 16, 0.3), (128, 16, 0.5), (256, 32, 0.3), (256, 32, 0.5))
@@ -203,6 +206,8 @@ class Engine:
         # A window's queries are at most |W| + b positions old when it is compressed.
         history = max(windows.values(), default=0) + b
         self.cache = PagedCache(cfg, len(self.paged_ids), sum(peak), b, max(peak), QUERY_WINDOW, list(windows), history)
+        for i, c in enumerate(configs):
+            self.cache.cautious[self.local[i]] = c.preset in compression.HEAD_ADAPTIVE
         self.per_head = (PerHeadCache(cfg, len(self.per_head_ids), sum(per_head_peak), bh, -(-max_len // bh) + 1,
                                       compression.KV_COMPRESS.excluded_distance) if len(self.per_head_ids) else None)
         self.states = [SeqState() for _ in configs]
@@ -219,6 +224,8 @@ class Engine:
         """[configs]: tokens per (layer, KV head) each holds (KV-Compress: the mean over its heads)."""
         out = np.empty(len(self.configs))
         out[self.paged_ids] = self.cache.lengths
+        for j in np.flatnonzero(self.cache.cautious):  # Hard-KV: the mean over its heads of what each holds
+            out[self.paged_ids[j]] = self.cache.held_slots(int(j)).sum(-1).mean()
         if self.per_head is not None:
             out[self.per_head_ids] = self.per_head.mean_tokens()
         return out
@@ -278,7 +285,9 @@ class Engine:
                     calls.setdefault(("kara", c.window, c.buffer), []).append(compression.Item(
                         seq=j, budget=t.budget, history_tokens=max(0, st.history_tokens - begin), window_begin=begin))
             elif t is not None and t.due(T):
-                calls.setdefault((c.preset,), []).append(
+                # A head-adaptive preset's policy carries the budget (L_upper): one call per budget.
+                key = (c.preset, t.budget) if c.preset in compression.HEAD_ADAPTIVE else (c.preset,)
+                calls.setdefault(key, []).append(
                     compression.Item(seq=j, budget=t.budget, history_tokens=st.history_tokens)
                 )
         for key, items in calls.items():
@@ -318,8 +327,12 @@ class Engine:
         else:
             length = int(self.cache.lengths[j])
             tbl = self.cache.block_table[j, : -(-length // self.b)]
-            pos = self.cache.positions[layers][:, tbl].reshape(len(layers), -1, hk)[:, :length]
-            pos = pos.transpose(0, 2, 1).tolist()
+            pos = self.cache.positions[layers][:, tbl].reshape(len(layers), -1, hk)[:, :length].transpose(0, 2, 1)
+            if self.cache.cautious[j]:  # the slots each head holds
+                held = self.cache.held_slots(j)[layers]
+                pos = [[pos[li, h][held[li, h]].tolist() for h in range(hk)] for li in range(len(layers))]
+            else:
+                pos = pos.tolist()
             next_pos = self.cache.next_pos[j]
         self.keepmaps[i].append({"step": self.step_count, "next_pos": int(next_pos), "positions": pos})
 

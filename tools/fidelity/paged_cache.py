@@ -12,6 +12,9 @@ What an engine holds, and what the presets read (docs/views.md):
 - `scores`: the global score F, `[L, num_blocks, b, h_kv]` fp32 (score_view::contiguous);
 - `positions`: each cached token's original position, `[L, num_blocks, b, h_kv]` int32
   (position_view::contiguous), moved with its token by a compression;
+- `live`: whether each (layer, KV head) still holds each cached token, `[L, num_blocks, b,
+  h_kv]` uint8 (live_view::contiguous: cautious update, for Hard-KV's per-head counts): 1 when
+  a token is written, rewritten by a head-adaptive compression for the rows it compacts;
 - `history`: for the sequences that compress a window at a time (Kara), the queries of
   their last `history_len` positions, `[L, seqs, history_len, h_q, d]`, a ring indexed by
   original position (`p % history_len`): a window's |W| queries are not the newest ones
@@ -20,7 +23,8 @@ What an engine holds, and what the presets read (docs/views.md):
 
 Attention reads a sequence's tokens through its block table up to its length, so after a
 compression (kept tokens moved to the front, length shortened) the model sees only what
-was kept. K is stored with RoPE at the token's original position and is never rotated
+was kept; for the sequences of a head-adaptive preset (`cautious`), only the tokens each
+head still holds (the live bytes), as an engine's attention mask over them would. K is stored with RoPE at the token's original position and is never rotated
 again, as the token-eviction methods assume.
 """
 
@@ -48,6 +52,8 @@ class PagedCache:
         self.queries = np.zeros((L, num_seqs, 2 * window, hq, d), dtype=np.float32)
         self.scores = np.zeros((L, num_blocks, block_size, hk), dtype=np.float32)
         self.positions = np.zeros((L, num_blocks, block_size, hk), dtype=np.int32)
+        self.live = np.zeros((L, num_blocks, block_size, hk), dtype=np.uint8)
+        self.cautious = np.zeros(num_seqs, dtype=bool)  # sequences whose attention reads the live bytes
         # The long query rings of the sequences that compress windows (row per sequence).
         self.history_row = {int(s): i for i, s in enumerate(history_seqs)}
         self.history_len = history_len if self.history_row else 0
@@ -105,6 +111,7 @@ class PagedCache:
             self.kv[0][:, blocks, slots] = k
             self.kv[1][:, blocks, slots] = v
             self.positions[:, blocks, slots] = t[None, :, None]
+            self.live[:, blocks, slots] = 1
             self.lengths[s] = P
             self.next_pos[s] = P
             last = np.arange(max(0, P - self.window), P)
@@ -176,6 +183,7 @@ class PagedCache:
         self.kv[0, l, blk, slot] = k
         self.kv[1, l, blk, slot] = v
         self.positions[l, blk, slot] = pos[:, None]
+        self.live[l, blk, slot] = 1
         self.queries[l, np.arange(S), ring] = q
         self.queries[l, np.arange(S), ring + self.window] = q
         if len(st["h_seqs"]):
@@ -191,6 +199,9 @@ class PagedCache:
             V = vl[tbl].reshape(len(g), nb * self.b, hk, d)[:, :T]
             qg = q[g].reshape(len(g), hk, G, d)
             sc = np.matmul(qg, K.transpose(0, 2, 3, 1)) * scale  # [n, hk, G, T]
+            if self.cautious[g].any():  # each head reads the tokens it holds (1 in every other row's [0, T))
+                held = self.live[l][tbl].reshape(len(g), nb * self.b, hk)[:, :T].transpose(0, 2, 1)
+                sc = np.where(held[:, :, None, :] != 0, sc, -np.inf)
             sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
             sc /= sc.sum(axis=-1, keepdims=True)
             o[g] = np.matmul(sc, V.transpose(0, 2, 1, 3))  # [n, hk, G, d]
@@ -199,6 +210,12 @@ class PagedCache:
     def end_step(self) -> None:
         self.lengths += 1
         self.next_pos += 1
+
+    def held_slots(self, seq: int) -> np.ndarray:
+        """[L, h_kv, length] bool: the slots of seq each (layer, KV head) holds (its live bytes)."""
+        T = int(self.lengths[seq])
+        tbl = self.block_table[seq, : -(-T // self.b)]
+        return self.live[:, tbl].reshape(self.live.shape[0], -1, self.live.shape[3])[:, :T].transpose(0, 2, 1) != 0
 
     def snapshot(self) -> "PagedCache":
         return copy.deepcopy(self)

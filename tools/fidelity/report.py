@@ -18,7 +18,7 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).parent
 LABELS = {"zipage": "Zipage", "rkv": "R-KV", "gkv": "G-KV", "snapkv": "SnapKV", "h2o": "H2O", "streaming_llm": "StreamingLLM",
-          "kv_compress": "KV-Compress", "kara": "Kara"}
+          "kv_compress": "KV-Compress", "hard_kv": "Hard-KV", "kara": "Kara"}
 ROWS = 30 * 3  # SmolLM2-135M's (layer, KV head) rows: a sequence's cache is ROWS x its tokens per head
 # kvpolicy.preset("kv_compress").params(), for the page to say whether a run changed them.
 PUBLISHED_KV_COMPRESS = {"protected_window": 64, "sinks": 0, "budget": "sequence", "max_cache_tokens": -1,
@@ -387,19 +387,34 @@ def kv_compress_protocol(res: dict) -> list[str]:
     ]
 
 
-def kv_compress_heads(res: dict) -> list[str]:
-    """Where KV-Compress spent its budget: the tokens each recorded head held after the last
-    compression of the keep-map session's conversation (before the probes)."""
+def hard_kv_protocol(res: dict) -> list[str]:
+    """The protocol's Hard-KV bullet: its counts per head and the live bytes its attention reads."""
+    return [
+        "- **Hard-KV** (`kvpolicy.HardKV`: window attention, group max of logits, w 8; max pool 7; calibrated top-p "
+        "p 0.9, bisection; protected window 32, 1 sink) keeps a count per (layer, KV head): the fewest tokens whose "
+        "calibrated mass reaches p, at most `upper = budget` (L_upper), so a head keeps at most what a uniform "
+        "preset keeps and the sequence's length is its largest head's. It lives in the paged cache with the "
+        "others, compressed by the same threshold trigger, with the cache's live bytes (`PagedCache(live=...)`, "
+        "cautious update): a head's slots past its count hold tokens it dropped, which its attention here masks "
+        "out and which a later compression neither scores nor keeps. Its cache column is the mean over its heads "
+        "of what each holds.",
+    ]
+
+
+def per_head_counts(res: dict, preset: str) -> list[str]:
+    """Where a preset with per-head counts (KV-Compress, Hard-KV) spent its cache: the tokens
+    each recorded head held after the last compression of the keep-map session's
+    conversation (before the probes)."""
     session, _, _, _ = pick_keepmap(res)
     s = next(x for x in res["sessions"] if x["name"] == session)
-    recs = {bb: [r for r in s["keepmaps"].get(f"kv_compress@{bb}", []) if r["step"] <= s["conversation_steps"]]
+    recs = {bb: [r for r in s["keepmaps"].get(f"{preset}@{bb}", []) if r["step"] <= s["conversation_steps"]]
             for bb in res["budgets"]}
     last = {bb: r[-1] for bb, r in recs.items() if r}
     if not last:
         return []
-    L = ["", f"Where KV-Compress spends its budget: the tokens each KV head held after its last compression of the "
-         f"'{session}' conversation (before the probes), in the layers the keep map records (a uniform preset holds "
-         "the budget in every head):",
+    L = ["", f"Where {LABELS[preset]} spends its cache: the tokens each KV head held after its last compression of "
+         f"the '{session}' conversation (before the probes), in the layers the keep map records (a uniform preset "
+         "holds the budget in every head):",
          "", "| layer | " + " | ".join(f"budget {bb}" for bb in last) + " |", "|---|" + "---:|" * len(last)]
     for li, layer in enumerate(res["keepmap_layers"]):
         L.append(f"| {layer} | " + " | ".join(", ".join(str(len(h)) for h in r["positions"][li]) for r in last.values())
@@ -495,6 +510,8 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
     ]
     if "kv_compress" in res["presets"]:
         L += kv_compress_protocol(res)
+    if "hard_kv" in res["presets"]:
+        L += hard_kv_protocol(res)
     L += [
         "- **Metrics**, at every step where the reference picks an assistant token: top-1 agreement (the "
         "configuration's argmax equals the reference's) and KL(reference || configuration), averaged over "
@@ -542,8 +559,9 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "preset is measured at the same steps). An interval that includes 0 does not separate the two.",
         "",
     ] + paired(res, summ)
-    if "kv_compress" in res["presets"]:
-        L += kv_compress_heads(res)
+    for preset in ("kv_compress", "hard_kv"):
+        if preset in res["presets"]:
+            L += per_head_counts(res, preset)
     L += [
         "",
         "![agreement and KL against budget](fidelity_agreement.png)",
