@@ -18,7 +18,7 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).parent
 LABELS = {"zipage": "Zipage", "rkv": "R-KV", "gkv": "G-KV", "snapkv": "SnapKV", "h2o": "H2O", "streaming_llm": "StreamingLLM",
-          "kv_compress": "KV-Compress", "hard_kv": "Hard-KV", "kara": "Kara"}
+          "kv_compress": "KV-Compress", "hard_kv": "Hard-KV", "hard_kv_rkv": "Hard-KV (R-KV)", "kara": "Kara"}
 ROWS = 30 * 3  # SmolLM2-135M's (layer, KV head) rows: a sequence's cache is ROWS x its tokens per head
 # kvpolicy.preset("kv_compress").params(), for the page to say whether a run changed them.
 PUBLISHED_KV_COMPRESS = {"protected_window": 64, "sinks": 0, "budget": "sequence", "max_cache_tokens": -1,
@@ -397,7 +397,10 @@ def hard_kv_protocol(res: dict) -> list[str]:
         "others, compressed by the same threshold trigger, with the cache's live bytes (`PagedCache(live=...)`, "
         "cautious update): a head's slots past its count hold tokens it dropped, which its attention here masks "
         "out and which a later compression neither scores nor keeps. Its cache column is the mean over its heads "
-        "of what each holds.",
+        "of what each holds."
+        + (" **Hard-KV (R-KV)** (`kvpolicy.HardKVRKV`) is the same count over R-KV's scores (keys before the "
+           "window, max pool 7, full redundancy with lambda 0.1), its redundancy over the keys each head holds."
+           if "hard_kv_rkv" in res["presets"] else ""),
     ]
 
 
@@ -510,7 +513,7 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
     ]
     if "kv_compress" in res["presets"]:
         L += kv_compress_protocol(res)
-    if "hard_kv" in res["presets"]:
+    if "hard_kv" in res["presets"] or "hard_kv_rkv" in res["presets"]:
         L += hard_kv_protocol(res)
     L += [
         "- **Metrics**, at every step where the reference picks an assistant token: top-1 agreement (the "
@@ -559,7 +562,7 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "preset is measured at the same steps). An interval that includes 0 does not separate the two.",
         "",
     ] + paired(res, summ)
-    for preset in ("kv_compress", "hard_kv"):
+    for preset in ("kv_compress", "hard_kv", "hard_kv_rkv"):
         if preset in res["presets"]:
             L += per_head_counts(res, preset)
     L += [
@@ -592,13 +595,13 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
     L += ["", "## Run", ""]
     L.append(
         f"{'Quick run' if res['quick'] else 'Full run'}: {res['seconds'] / 60:.1f} minutes on the project's 2-core "
-        f"machine (shared with other builds), "
+        f"machine, "
         + "; ".join(
             f"'{s['name']}' {s['decode_steps']} decode steps for {len(res['configs'])} sequences in {s['seconds']:.0f} s, "
             f"of which {s['compress_seconds']:.0f} s in {s['compress_calls']} compression calls"
             for s in sessions
         )
-        + f". BLAS threads: {res.get('blas_threads', 'default')}."
+        + f". BLAS threads: {res.get('blas_threads', 'default')}; sessions at once: {res.get('jobs', 1)}."
     )
     if kres is not None and kres is not res:
         L.append("")
@@ -612,7 +615,7 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
                 f"{s['seconds']:.0f} s, of which {s['compress_seconds']:.0f} s in {s['compress_calls']} compression calls"
                 for s in kres["sessions"]
             )
-            + f". BLAS threads: {kres.get('blas_threads', 'default')}."
+            + f". BLAS threads: {kres.get('blas_threads', 'default')}; sessions at once: {kres.get('jobs', 1)}."
         )
     L.append("")
     text = "\n".join(L)
