@@ -6,9 +6,9 @@
 # 256 tokens compressed once each (trigger::periodic), beside SnapKV and StreamingLLM at
 # budget 768, a cache of about Kara's size.
 #
-#   scripts/fidelity.sh                   the measurement (about 30 minutes on 2 cores): writes
+#   scripts/fidelity.sh                   the measurement (about 17 minutes on 2 cores): writes
 #                                         docs/fidelity.md, docs/fidelity_*.png
-#   scripts/fidelity.sh --kara            Kara's pass alone (about 12 minutes), the page rewritten
+#   scripts/fidelity.sh --kara            Kara's pass alone (about 7 minutes), the page rewritten
 #                                         with the budgeted presets' last run (tools/fidelity/out)
 #   scripts/fidelity.sh --quick           a smoke test (a few minutes): the same pipeline on one
 #                                         short session; its page goes to tools/fidelity/out/quick/

@@ -56,11 +56,11 @@ QUERY_WINDOW = 32  # w of the query cache: the largest preset window (snapkv's 3
 # the threshold trigger's 64, so a head's blocks are whole at every compression.
 PER_HEAD_BLOCK_SIZE = 16
 BUDGETS = (128, 256, 512)
-# The default set: issue 35's six, KV-Compress over its per-head cache, and Hard-KV, whose
-# per-head counts in the shared-table cache its attention reads through the live bytes
-# (`--presets ...,hard_kv_rkv` runs Hard-KV over R-KV's scores the same way).
+# The default set: issue 35's six, KV-Compress over its per-head cache, and Hard-KV's two
+# (calibrated top-p over window attention, and over R-KV's scores), whose per-head counts in
+# the shared-table cache their attention reads through the live bytes.
 SEED_PRESETS = ("zipage", "rkv", "gkv", "snapkv", "h2o", "streaming_llm")
-DEFAULT_PRESETS = SEED_PRESETS + ("kv_compress", "hard_kv")
+DEFAULT_PRESETS = SEED_PRESETS + ("kv_compress", "hard_kv", "hard_kv_rkv")
 # Kara's protocol rows: (|W|, |U|, r), the window a multiple of the block size. Each window
 # keeps ceil(r (|W| - |U|)) tokens of W \ U and its buffer.
 KARA_SETTINGS = ((128, 16, 0.3), (128, 16, 0.5), (256, 32, 0.3), (256, 32, 0.5))
