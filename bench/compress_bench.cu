@@ -21,7 +21,8 @@
 //   redundancy/lightning_batched/<T> lightning at configuration A's 16 sequences x 8 layers
 //   e2e|stage/hard_kv/A[_reuse]     configuration A, hard_kv: temperatures solved at every call, or
 //                                   solved once and reused; e2e/hard_kv_rkv/A
-//   e2e|stage/hard_kv/A_cautious    A_reuse with a live view (cautious update) whose heads dropped 0..22%
+//   e2e|stage/hard_kv/A_cautious    A_reuse with a live view (cautious update) whose heads dropped 0..22%;
+//                                   e2e/hard_kv_rkv/A_reuse and A_cautious, the same with full redundancy
 //   calibration/hard_kv/<I>/<T>     stage rows, every row's search run to I iterations (T = 2304, 9216),
 //                                   beside calibration/hard_kv/reuse/<T>: the epilogues' difference
 //   e2e|stage/kara/KvLLM            Kara at a KvLLM compression event: 30 windows of 768 tokens, 32 layers
@@ -877,6 +878,9 @@ void register_all() {
     cautious.cautious = true;
     add_row("e2e/hard_kv/A_cautious", kvp::presets::hard_kv{}, cautious, row_kind::e2e, 30);
     add_row("stage/hard_kv/A_cautious", kvp::presets::hard_kv{}, cautious, row_kind::stage, 30);
+    // The same with full redundancy over the held keys, beside its own A_reuse.
+    add_row("e2e/hard_kv_rkv/A_reuse", kvp::presets::hard_kv_rkv{}, reuse, row_kind::e2e, 3);
+    add_row("e2e/hard_kv_rkv/A_cautious", kvp::presets::hard_kv_rkv{}, cautious, row_kind::e2e, 3);
     // The search's cost against its iterations and the row length: a tolerance no mass
     // meets makes every row run all of them (after the two bound checks).
     for (int n_max : {9, 36}) {

@@ -23,8 +23,8 @@
 // (paged_kv_view::live, cautious update: 1 where a head still holds its token), writes
 // 1 for every head of each token it appends, and so can compress such a cache again:
 // per round it prints seq 0's counts and checks that every head holds a subset of the
-// tokens it held before. `hard_kv_rkv` does the same on the host executor; on the GPU
-// it runs one round (the CUDA executor takes no redundancy stage under cautious update yet).
+// tokens it held before. `hard_kv_rkv` does the same, its redundancy over the keys
+// each head holds.
 //
 // `--preset kara` compresses a window of each sequence instead of the whole cache
 // (Kara, KvLLM): the last `--window` tokens in whole blocks before the last, partial
@@ -157,9 +157,8 @@ struct usage_error : std::runtime_error {
 constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
   --preset NAME     zipage (default), rkv, gkv, snapkv, h2o, streaming_llm,
                     hard_kv (per-head counts, printed each round; later rounds skip
-                    the tokens each head dropped), hard_kv_rkv (the same on the host;
-                    one round on the GPU, which takes no redundancy stage under
-                    cautious update yet),
+                    the tokens each head dropped), hard_kv_rkv (the same, with R-KV's
+                    redundancy over the keys each head holds),
                     kara (a window of each sequence; Token2Chunk drawn per round),
                     kv_compress (a per-head block cache, one compression; per-head lengths)
   --device NAME     cuda: the CUDA executor (the default when the demo is built with
@@ -172,7 +171,7 @@ constexpr std::string_view usage = R"(usage: kvpolicy_demo [options]
   --kv-heads N      KV heads (2)           --q-heads N     query heads (8)
   --head-dim N      head dimension (64)    --block-size N  tokens per block (16)
   --n-max N         Zipage's block cap N_max (9): budget (N_max - 1) * block size
-  --rounds N        compressions per sequence (2; hard_kv_rkv: 1 only); later rounds
+  --rounds N        compressions per sequence (2); later rounds
                     append tokens first
   --append N        tokens appended before each later round (two blocks, or
                     one block more than the preset's protected window)
@@ -302,12 +301,6 @@ constexpr bool windowed = kvp::window_only<typename P::layout_type>();
 // its own count to tokens it dropped.
 template <class P>
 constexpr bool per_head = kvp::ScoreDependentSelector<typename P::select_type>;
-
-// Whether its later rounds can skip those on the GPU too: the CUDA executor takes no
-// redundancy stage under cautious update (the engine's live bytes, paged_kv_view::live)
-// yet, the host executor does.
-template <class P>
-constexpr bool cautious_on_gpu = per_head<P> && std::same_as<typename P::redundancy_type, kvp::none>;
 
 any_preset make_preset(const options& o) {
   const std::string_view name = o.preset;
@@ -1291,22 +1284,9 @@ int run(options o) {
 
   // Per-head counts leave each head's slots past its own count to tokens it dropped;
   // a later round skips them through the live bytes (cautious update), which the demo
-  // keeps where the library supports them.
-  const auto [per_head_counts, gpu_live] = std::visit(
-      [](const auto& p) {
-        using P = std::remove_cvref_t<decltype(p)>;
-        return std::pair<bool, bool>{per_head<P>, cautious_on_gpu<P>};
-      },
-      preset);
-  const bool with_live = per_head_counts && (gpu_live || dev == device::host);
-  if (per_head_counts && !with_live && o.rounds > 1) {
-    if (o.rounds_given)
-      throw usage_error(str("--rounds {}: preset {} keeps a count per head and has a redundancy stage, which the "
-                            "CUDA executor does not run under cautious update yet (the live bytes that let a later "
-                            "round skip each head's dropped tokens); run it with --device host, or for one round",
-                            o.rounds, o.preset));
-    o.rounds = 1;
-  }
+  // keeps for such presets.
+  const bool per_head_counts =
+      std::visit([](const auto& p) { return per_head<std::remove_cvref_t<decltype(p)>>; }, preset);
   const i32 b = o.block_size;
   // A windowed preset (kara) compresses a window of each sequence: the budget is what
   // each window keeps of its compressible region, and each later round appends what
@@ -1336,7 +1316,7 @@ int run(options o) {
   if (o.append == 0) o.append = std::max(2 * b, (protect_window + b - 1) / b * b + b);
   demo_cache c =
       make_cache(o, is_windowed ? kara.size(o.seqs, o.rounds) : whole_cache_size(o, budget, per_head_counts),
-                 std::max(protect_window, score_window), with_live);
+                 std::max(protect_window, score_window), per_head_counts);
 
   const std::string executor = dev == device::host   ? std::string("host executor")
                                : dev == device::cuda ? str("cuda executor on {}", gpu.name)
@@ -1405,7 +1385,7 @@ int run(options o) {
   if (is_windowed)
     say("  kara: the sinks and what earlier rounds kept lie before the window, never read or written again;\n"
         "         the planted tokens of each round lie in its window's first |W| - |U| tokens\n");
-  if (with_live)
+  if (per_head_counts)
     say("  {}: each head counts only the tokens it still holds; one it dropped in an earlier round stays dropped\n",
         o.preset);
   if (dev == device::both)
@@ -1465,7 +1445,7 @@ int run(options o) {
     std::vector<std::vector<std::byte>> before;
     for (i32 s = 0; s < o.seqs; ++s) before.push_back(snapshot(c, s));
     std::vector<std::vector<std::vector<i32>>> held_before;  // per item: the tokens each row holds
-    if (with_live)
+    if (per_head_counts)
       for (const kvp::batch_item& it : items) held_before.push_back(held_tokens(c, it.seq));
 
     const outcome oc = std::visit([&](const auto& p) { return compress_on(dev, p, c, batch); }, preset);
@@ -1489,7 +1469,7 @@ int run(options o) {
     } else {
       say("\nround {}: {}\n", round,
           round == 1  ? std::string("first compression, history_tokens 0")
-          : with_live ? str("{} tokens appended on a new topic, live in every head; history_tokens: the length "
+          : per_head_counts ? str("{} tokens appended on a new topic, live in every head; history_tokens: the length "
                             "each sequence's last compression left",
                             o.append)
                       : str("{} tokens appended on a new topic; history_tokens {}: F holds the scores of "
@@ -1538,10 +1518,8 @@ int run(options o) {
       live_differ += oc.diff->live_rows_differ;
     }
     if (per_head_counts) {
-      // Without live bytes every head holds all T slots (one round).
-      std::vector<i32> held(res.kept_counts[0].size(), len_before[items[0].seq]);
-      if (with_live)
-        std::ranges::transform(held_before[0], held.begin(), [](const auto& row) { return i32(row.size()); });
+      std::vector<i32> held(res.kept_counts[0].size());
+      std::ranges::transform(held_before[0], held.begin(), [](const auto& row) { return i32(row.size()); });
       print_head_counts(o, len_before[items[0].seq], held, res.kept_counts[0], res.new_lengths[0]);
     }
     std::visit(
@@ -1558,7 +1536,7 @@ int run(options o) {
         preset);
     if (o.show_mask) print_mask(c, 0, std::span(res.keep_masks[0]).first(static_cast<std::size_t>(len_before[0])));
     apply_result(c, batch, res);
-    if (with_live) {
+    if (per_head_counts) {
       long bad = 0;
       for (std::size_t i = 0; i < items.size(); ++i) bad += held_violations(c, items[i].seq, held_before[i]);
       say("dropped tokens stayed dropped: {}\n",
@@ -1574,15 +1552,15 @@ int run(options o) {
   }
 
   say("\nkept K/V rows moved intact: {}\n", bad_rows == 0 ? std::string("yes") : str("NO, {} rows differ", bad_rows));
-  if (with_live)
+  if (per_head_counts)
     say("dropped tokens stayed dropped, every round: {}\n",
         drop_violations == 0 ? std::string("yes") : str("NO, {} violations", drop_violations));
   if (dev == device::both)
     say("host and cuda agree: {}\n",
         masks_differ == 0 && kv_differ == 0 && live_differ == 0
-            ? str("yes (keep masks, lengths, released blocks, kept K/V bytes{})", with_live ? ", live bytes" : "")
+            ? str("yes (keep masks, lengths, released blocks, kept K/V bytes{})", per_head_counts ? ", live bytes" : "")
             : str("{} mask rows or items differ (near-ties), {} K/V rows{} differ where the masks agree",
-                  masks_differ, kv_differ, with_live ? str(" and {} live-byte rows", live_differ) : std::string()));
+                  masks_differ, kv_differ, per_head_counts ? str(" and {} live-byte rows", live_differ) : std::string()));
 
   print_times(times, gpu.name);
   say("wall time {:.1f} ms\n", 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count());

@@ -93,10 +93,12 @@ def test_device_equals_host(cls):
         np.testing.assert_allclose(dev.scores.cpu().numpy(), host.scores.cpu().numpy(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("policy_cls", [kvpolicy.HardKV, kvpolicy.HardKVRKV])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cautious_update_device_equals_host(dtype):
-    """HardKV over a live view (cautious update) in which heads dropped tokens before:
-    the device keeps, moves and marks (live bytes) exactly what the host does."""
+def test_cautious_update_device_equals_host(dtype, policy_cls):
+    """HardKV and HardKVRKV (full redundancy over the held keys) over a live view
+    (cautious update) in which heads dropped tokens before: the device keeps, moves and
+    marks (live bytes) exactly what the host does."""
     case = make_case(lengths=(64, 0, 57, 48), window=32, head_dim=64, block_size=16, seed=35)
     live = np.zeros(case.positions.shape, dtype=np.uint8)
     b, rng = case.block_size, np.random.default_rng(5)
@@ -117,7 +119,7 @@ def test_cautious_update_device_equals_host(dtype):
                                          positions=twin.positions, live=twin.live)
         twins.append(twin)
     host, dev = twins
-    policy = kvpolicy.HardKV(protect_window=8, p=0.7)
+    policy = policy_cls(protect_window=8, p=0.7)
     kw = dict(seqs=[0, 2, 3], budgets=[40, 33, 32], return_masks=True, return_scores=True, max_tokens=64)
     rh = numpy_result(host.compress(policy, **kw))
     rd = numpy_result(dev.compress(policy, **kw))

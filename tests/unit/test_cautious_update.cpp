@@ -2,9 +2,10 @@
 // with a live view, a token a head dropped stays dropped at every later compression
 // (scored as absent, never kept, not counted as protected), the layout writes which
 // slots each head holds, and a budget past a head's held tokens keeps what it holds.
-// A hand case, the dead keys' bytes shown not to matter, three hard_kv rounds with an
-// engine appending between them, full redundancy over the held keys, and the refusals. (The CUDA build of this file runs
-// every compression on both executors and compares them, live bytes included.)
+// A hand case, the dead keys' bytes shown not to matter, three hard_kv and hard_kv_rkv
+// rounds with an engine appending between them, full redundancy over the held keys, and
+// the refusals. (The CUDA build of this file runs every compression on both executors
+// and compares them, live bytes included.)
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -160,7 +161,12 @@ TEST_CASE("cautious update: the bytes of dropped keys change nothing") {
     }
 }
 
-TEST_CASE("cautious update: three hard_kv rounds, the engine appending between them") {
+namespace {
+
+// Three rounds of a Hard-KV preset over a live view, the engine appending between them:
+// each head holds a subset of what it held, dense at the front; temperatures reused.
+template <class Preset>
+void three_rounds() {
   for (const auto type : {kvp::dtype::f32, kvp::dtype::bf16}) {
     CAPTURE(kvp::name_of(type));
     const int L = 2, H = 4, b = 8;
@@ -168,7 +174,7 @@ TEST_CASE("cautious update: three hard_kv rounds, the engine appending between t
                    .capacity_blocks = 24, .q_heads = 8, .window = 8, .seed = 17, .live = true});
     std::vector<float> temperature(static_cast<std::size_t>(2) * L * H, 0.0f);
     std::vector<kvp::calibration_outcome> outcome(temperature.size(), kvp::calibration_outcome::unsolved);
-    kvp::presets::hard_kv p;
+    Preset p;
     p.select.state = {temperature.data(), outcome.data(), 2, L, H};
     p.protect = {.window = 8, .sinks = 1};
     std::vector<kvp::batch_item> items{{.seq = 0, .query_slot = 0, .budget = 24}, {.seq = 1, .query_slot = 1, .budget = 24}};
@@ -235,6 +241,16 @@ TEST_CASE("cautious update: three hard_kv rounds, the engine appending between t
   }
 }
 
+}  // namespace
+
+TEST_CASE("cautious update: three hard_kv rounds, the engine appending between them") {
+  three_rounds<kvp::presets::hard_kv>();
+}
+
+TEST_CASE("cautious update: three hard_kv_rkv rounds (full redundancy over the held keys)") {
+  three_rounds<kvp::presets::hard_kv_rkv>();
+}
+
 TEST_CASE("cautious update: fill writes the same live bytes") {
   test_cache tc({.block_size = 4, .kv_heads = 2, .head_dim = 4, .lengths = {8}, .seed = 5, .live = true});
   set_first_elements(tc, 0, 0, 0, {5, 1, 7, 3, 8, 2, 6, 4});
@@ -251,37 +267,47 @@ TEST_CASE("cautious update: fill writes the same live bytes") {
 }
 
 TEST_CASE("cautious update: full redundancy compares the held keys only") {
-  // One KV head whose tokens 10..19 were dropped: its redundancy over the 30 held keys
-  // is that of a cache holding those 30 keys alone, in order (1 / n and the softmax
-  // over the held ones). Host executor only: the CUDA executor refuses a redundancy
-  // stage under cautious update so far.
-  test_cache with_dropped({.block_size = 4, .head_dim = 8, .lengths = {40}, .seed = 12, .live = true});
-  for (int t = 0; t < 6; ++t) {  // near-copies, so that theta's newest neighbours matter
-    auto k = with_dropped.key(0, 0, t, 0);
-    k[0] += 0.01f;
-    with_dropped.set_key(0, 0, t + 25, 0, k);
-  }
-  test_cache held_only({.block_size = 4, .head_dim = 8, .lengths = {30}, .seed = 13});
-  std::vector<int> held;
-  for (int t = 0; t < 40; ++t) {
-    if (t >= 10 && t < 20) {
-      with_dropped.live(0, 0, t, 0) = 0;
-      continue;
+  // One KV head that dropped tokens 10..19 and 36..39: its redundancy over the 26 held
+  // keys is that of a cache holding those keys alone, in order (1 / n and the softmax
+  // over the held ones). theta -0.5 makes almost every pair similar, so each key's
+  // newest neighbour would be a dropped one (39) were dropped keys compared. f32 takes
+  // the fp32 kernels on the GPU, bf16 the tensor cores.
+  const auto dropped = [](int t) { return (t >= 10 && t < 20) || t >= 36; };
+  for (const auto type : {kvp::dtype::f32, kvp::dtype::bf16})
+    for (const float theta : {0.5f, -0.5f}) {
+      CAPTURE(kvp::name_of(type));
+      CAPTURE(theta);
+      test_cache with_dropped({.block_size = 4, .head_dim = 16, .type = type, .lengths = {40}, .seed = 12, .live = true});
+      for (int t = 0; t < 6; ++t) {  // near-copies, so that theta's newest neighbours matter
+        auto k = with_dropped.key(0, 0, t, 0);
+        k[0] += 0.01f;
+        with_dropped.set_key(0, 0, t + 25, 0, k);
+      }
+      test_cache held_only({.block_size = 4, .head_dim = 16, .type = type, .lengths = {26}, .seed = 13});
+      std::vector<int> held;
+      for (int t = 0; t < 40; ++t) {
+        if (dropped(t)) {
+          with_dropped.live(0, 0, t, 0) = 0;
+          continue;
+        }
+        held_only.set_key(0, 0, static_cast<int>(held.size()), 0, with_dropped.key(0, 0, t, 0));
+        held.push_back(t);
+      }
+      REQUIRE(held.size() == 26);
+      kvp::redundancy::full r;
+      r.theta = theta;
+      r.lambda = 0.0f;
+      r.form = kvp::redundancy::combine_form::weighted;  // final score -R
+      kvp::pipeline<none, none, kvp::redundancy::full, kvp::select::top_k, kvp::layout::compact> p;
+      p.redundancy = r;
+      p.protect = {.window = 0, .sinks = 0};
+      const auto a = kvp_test::run(p, with_dropped, {{.seq = 0, .budget = 40}});
+      const auto b = kvp_test::run(p, held_only, {{.seq = 0, .budget = 26}});
+      CHECK(a.kept_counts[0][0] == 26);
+      for (std::size_t i = 0; i < held.size(); ++i) CHECK(a.scores[0][held[i]] == b.scores[0][i]);
+      for (int t = 0; t < 40; ++t)
+        if (dropped(t)) CHECK(a.keep_masks[0][t] == 0);
     }
-    held_only.set_key(0, 0, static_cast<int>(held.size()), 0, with_dropped.key(0, 0, t, 0));
-    held.push_back(t);
-  }
-  kvp::redundancy::full r;
-  r.lambda = 0.0f;
-  r.form = kvp::redundancy::combine_form::weighted;  // final score -R
-  kvp::pipeline<none, none, kvp::redundancy::full, kvp::select::top_k, kvp::layout::compact> p;
-  p.redundancy = r;
-  p.protect = {.window = 0, .sinks = 0};
-  const auto a = kvp_test::run_host(p, with_dropped, {{.seq = 0, .budget = 40}});
-  const auto b = kvp_test::run_host(p, held_only, {{.seq = 0, .budget = 30}});
-  CHECK(a.kept_counts[0][0] == 30);
-  for (std::size_t i = 0; i < held.size(); ++i) CHECK(a.scores[0][held[i]] == b.scores[0][i]);
-  for (int t = 10; t < 20; ++t) CHECK(a.keep_masks[0][t] == 0);
 }
 
 TEST_CASE("cautious update: what it does not support is refused, naming the field") {

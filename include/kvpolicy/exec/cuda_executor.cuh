@@ -212,9 +212,6 @@ struct cuda_executor {
             "with layout::compact");
     require(batch.targets.empty() || !window_only<typename P::layout_type>(), "batch.targets",
             "are given, but a window-only layout writes no block before the window: no shared prefix needs targets");
-    require(std::same_as<typename P::redundancy_type, none> || cache.live.empty(), "cache.live",
-            "is set; the CUDA executor does not run cautious update with a redundancy stage yet (the host executor "
-            "does: it compares the held keys only)");
     if (overlap_stream) {
       require(overlap_events != nullptr, "overlap_events", "is a null pointer while overlap_stream is set");
       require(overlap_groups >= 1, "overlap_groups", "is {}; must be at least 1 when overlap_stream is set",

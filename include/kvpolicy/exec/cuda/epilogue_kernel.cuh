@@ -199,9 +199,11 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
   if constexpr (!std::same_as<typename P::redundancy_type, none>) {
     // R = softmax(red / tau) over the candidates; red_in already holds red / n / tau.
     // Read once, into the pooling copy (free again): each thread keeps its own tokens.
+    // Under cautious update the softmax runs over the held candidates; a dropped one
+    // gets R 0 (-inf here), as on the host.
     float m = -inf;
     for_each_token_batched(
-        n, [&](std::int32_t t) { return red_in[base + t]; },
+        n, [&](std::int32_t t) { return !cautious || held(t) ? red_in[base + t] : -inf; },
         [&](std::int32_t t, float r) {
           tmp[t] = r;
           m = fmaxf(m, r);
@@ -209,12 +211,12 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
     m = block_max(m, sh.reduce, sh.broadcast);
     float sum = 0.0f;
     for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
-      const float e = expf(tmp[t] - m);
+      const float e = cautious && tmp[t] == -inf ? 0.0f : expf(tmp[t] - m);
       tmp[t] = e;
       sum += e;
     }
     sum = block_sum(sum, sh.reduce, sh.broadcast);
-    const float inv = 1.0f / sum;
+    const float inv = sum > 0.0f || !cautious ? 1.0f / sum : 0.0f;  // a head that holds no candidate
     for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) s[t] = p.redundancy.combine(s[t], tmp[t] * inv);
   }
   if (out.nonfinite) {

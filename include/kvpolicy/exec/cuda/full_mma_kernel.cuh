@@ -10,6 +10,8 @@
 // similarities come from the sum of the row's normalised keys, in O(d) per key.
 // O(T d / 256 + T) extra memory: inverse norms, partial key sums and the packed
 // newest neighbours (key_norms_and_sums_kernel), which full_finish_kernel completes.
+// Under cautious update a dropped key's inverse norm is NaN: its pairs are never over
+// theta, and its own row sum (NaN) full_finish_kernel replaces.
 #pragma once
 
 #include <cstdint>
@@ -90,8 +92,13 @@ __global__ void __launch_bounds__(row_threads) key_norms_and_sums_kernel(P p, pa
   const auto key = [&](std::int32_t t) { return reinterpret_cast<const uint4*>(keys + at(t, 0)); };
   if (tid < count) {
     const uint4* k = key(tid);
-    inv[tid] = inverse_norm_16<Elem, HeadDim>([&](std::int32_t v) { return k[v]; }, d, p.redundancy.eps);
-    inv_out[row * rs.max_tokens + t0 + tid] = inv[tid];
+    const float x = inverse_norm_16<Elem, HeadDim>([&](std::int32_t v) { return k[v]; }, d, p.redundancy.eps);
+    // Under cautious update a key the head dropped is not in the row: out of the key
+    // sums (0 here) and NaN to the pairs kernel, where no comparison with it passes
+    // theta (NaN compares false, whatever theta's sign).
+    const bool held = cache.live.empty() || cache.alive(rc.layer, it.seq, t0 + tid, rc.head);
+    inv[tid] = held ? x : 0.0f;
+    inv_out[row * rs.max_tokens + t0 + tid] = held ? x : __builtin_nanf("");
   }
   __syncthreads();
   // Thread (group, chunk) sums chunk `chunk` of keys group, group + groups, ...; the

@@ -34,16 +34,22 @@ __device__ inline void inverse_norms(const float* keys, float* inv, std::int32_t
 
 // For columns u0 .. u0 + pair_chunk of `us` against the `count` keys of `vs` (lane
 // v, v + 32, ...): row sums of C(u, .) without the diagonal and the newest v with
-// C(u, v) > theta. Positions are u_pos0 + c and v_pos0 + v.
+// C(u, v) > theta. Positions are u_pos0 + c and v_pos0 + v. `compared(c, v)`: whether
+// the pair counts at all (under cautious update, both keys held).
 struct column_state {
   float rowsum[pair_chunk];
   std::int32_t newest[pair_chunk];
   float newest_c[pair_chunk];
 };
 
+struct every_pair {
+  __device__ bool operator()(std::int32_t, std::int32_t) const { return true; }
+};
+template <class Compared = every_pair>
 __device__ inline void compare_columns(column_state& st, const float* us, const float* u_inv, std::int32_t u_count,
                                        std::int32_t u_pos0, const float* vs, const float* v_inv, std::int32_t v_count,
-                                       std::int32_t v_pos0, std::int32_t d, std::int32_t pitch, float theta) {
+                                       std::int32_t v_pos0, std::int32_t d, std::int32_t pitch, float theta,
+                                       Compared compared = {}) {
   const std::int32_t lane = threadIdx.x % 32;
   for (std::int32_t v = lane; v < v_count; v += 32) {
     float acc[pair_chunk];
@@ -58,7 +64,7 @@ __device__ inline void compare_columns(column_state& st, const float* us, const 
     }
 #pragma unroll
     for (int c = 0; c < pair_chunk; ++c) {
-      if (c >= u_count || u_pos0 + c == v_pos0 + v) continue;
+      if (c >= u_count || u_pos0 + c == v_pos0 + v || !compared(c, v)) continue;
       const float sim = acc[c] * (u_inv[c] * v_inv[v]);
       st.rowsum[c] += sim;
       if (sim > theta && v_pos0 + v > st.newest[c]) {
@@ -172,9 +178,9 @@ __global__ void __launch_bounds__(row_threads) lightning_kernel(P p, paged_kv_vi
 }
 
 // Shared memory of the full kernel, in floats: a tile of columns u and a tile of keys
-// v, with their inverse norms.
+// v, with their inverse norms and (cautious update) whether the head holds them.
 KVP_HOST_DEVICE constexpr std::size_t full_smem_floats(std::int32_t d) {
-  return 2 * std::size_t(full_tile) * (std::size_t(d) + 4) + 2 * full_tile;
+  return 2 * std::size_t(full_tile) * (std::size_t(d) + 4) + 4 * full_tile;
 }
 
 // A full-scope block of keys u on the flat grid of (row, tile of `tile` keys)
@@ -215,8 +221,19 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
   float* vs = us + std::size_t(full_tile) * pitch;
   float* u_inv = vs + std::size_t(full_tile) * pitch;
   float* v_inv = u_inv + full_tile;
+  float* u_held = v_inv + full_tile;  // 1: held (or no live view), 0: dropped
+  float* v_held = u_held + full_tile;
   auto k_row = [&](std::int32_t pos) { return cache.k_row(kb.rc.layer, kb.it.seq, pos, kb.rc.head); };
+  // Under cautious update a pair with a key the head dropped is not compared: the row
+  // is the held keys alone (host::held_redundancy_scores).
+  const bool cautious = !cache.live.empty();
+  const auto mark_held = [&](float* held, std::int32_t pos0, std::int32_t count) {
+    for (std::int32_t r = threadIdx.x; r < count; r += blockDim.x)
+      held[r] = !cautious || cache.alive(kb.rc.layer, kb.it.seq, pos0 + r, kb.rc.head) ? 1.0f : 0.0f;
+  };
+  const auto both_held = [&](std::int32_t c, std::int32_t v) { return !cautious || (u_held[c] * v_held[v] != 0.0f); };
   load_rows(us, u_count, d, pitch, cache.type, [&](std::int32_t r) { return k_row(u_pos0 + r); });
+  mark_held(u_held, u_pos0, u_count);
   __syncthreads();
   inverse_norms(us, u_inv, u_count, d, pitch, p.redundancy.eps);
 
@@ -236,6 +253,7 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
     const std::int32_t v_count = min(full_tile, n - v_pos0);
     __syncthreads();
     load_rows(vs, v_count, d, pitch, cache.type, [&](std::int32_t r) { return k_row(v_pos0 + r); });
+    mark_held(v_held, v_pos0, v_count);
     __syncthreads();
     inverse_norms(vs, v_inv, v_count, d, pitch, p.redundancy.eps);
     __syncthreads();
@@ -244,7 +262,8 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
       const std::int32_t u0 = warp * per_warp + k * pair_chunk;
       if (u0 < u_count)
         compare_columns(st[k], us + std::size_t(u0) * pitch, u_inv + u0, min(pair_chunk, u_count - u0), u_pos0 + u0,
-                        vs, v_inv, v_count, v_pos0, d, pitch, p.redundancy.theta);
+                        vs, v_inv, v_count, v_pos0, d, pitch, p.redundancy.theta,
+                        [&](std::int32_t c, std::int32_t v) { return both_held(u0 + c, v); });
     }
   }
 #pragma unroll
@@ -267,7 +286,8 @@ __global__ void __launch_bounds__(row_threads) full_columns_kernel(P p, paged_kv
 // from its newest neighbour's row sum (dropped_sums over `dropped_words`,
 // [rows][max_tokens] words of the workspace). The newest neighbours come from
 // `packed` (the tensor-core kernel's pack_newest: position + 1 above the similarity's
-// bits), or else from newest and newest_c.
+// bits), or else from newest and newest_c. Under cautious update n counts the keys the
+// head holds, and a dropped key's red is 0 (the epilogue's softmax leaves it out).
 template <class P>
 __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_view cache, row_space rs,
                                                                   const float* rowsum, const std::int32_t* newest,
@@ -282,6 +302,16 @@ __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_
   const std::int64_t base = row * rs.max_tokens;
   const dropped_sums<true> dropped{dropped_words + base};
   dropped.clear(n);
+  const bool cautious = !cache.live.empty();
+  const auto held = [&](std::int32_t t) { return !cautious || cache.alive(rc.layer, it.seq, t, rc.head); };
+  float held_keys = static_cast<float>(n);
+  if (cautious) {
+    __shared__ typename block_reduce::TempStorage reduce;
+    __shared__ float broadcast;
+    held_keys = 0.0f;
+    for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) held_keys += held(t) ? 1.0f : 0.0f;
+    held_keys = block_sum(held_keys, reduce, broadcast);  // its barriers order the clears before the adds
+  }
   __syncthreads();
   for (std::int32_t u = threadIdx.x; u < n; u += blockDim.x) {
     std::int32_t target;
@@ -297,9 +327,9 @@ __global__ void __launch_bounds__(row_threads) full_finish_kernel(P p, paged_kv_
     if (target >= 0) dropped.add(target, c);
   }
   __syncthreads();
-  const float inv_n = 1.0f / static_cast<float>(n);
+  const float inv_n = 1.0f / held_keys;
   for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x)
-    red_out[base + t] = (rowsum[base + t] - dropped.of(t)) * inv_n / p.redundancy.tau;
+    red_out[base + t] = held(t) ? (rowsum[base + t] - dropped.of(t)) * inv_n / p.redundancy.tau : 0.0f;
 }
 
 }  // namespace cuda
