@@ -26,7 +26,6 @@
 #include "kvpolicy/exec/cuda/per_head_validate_kernel.cuh"
 #include "kvpolicy/exec/cuda/per_head_workspace.cuh"
 #include "kvpolicy/select/head_adaptive_blocks.hpp"
-#include "kvpolicy/select/rank_order.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda {
@@ -76,6 +75,9 @@ __device__ inline bool rows_of_16_bytes(const per_head_kv_view& c, std::int32_t 
   return bases % 16 == 0 && strides % 16 == 0 && c.row_bytes() % 16 == 0;
 }
 
+// Table entries a block of the evict kernel copies to shared memory (4 KiB).
+inline constexpr std::int32_t per_head_table_copy = 1024;
+
 // One block per row: the results, the cut, the kept bits and the numbered holes and
 // movers. The copies are per_head_copy_kernel's, a grid of its own, so that they run
 // at full occupancy rather than between this kernel's selects.
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(row_threads) per_head_evict_kernel(per_head_kv
                                                                      per_head_workspace w, per_head_outputs out,
                                                                      std::int32_t smem_keys) {
   using scan = cub::BlockScan<std::uint64_t, row_threads>;
-  extern __shared__ std::uint64_t row_keys[];  // [smem_keys]
+  extern __shared__ std::uint64_t row_keys[];  // [smem_keys], 8 or 4 bytes a key
+  __shared__ std::int32_t table_copy[per_head_table_copy];
   __shared__ union {
     radix_select_storage select;
     typename scan::TempStorage scan;
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(row_threads) per_head_evict_kernel(per_head_kv
   const per_head_coord rc = decode_per_head_row(s, row);
   const per_head_item it = s.items[rc.item];
   const std::int32_t T = c.length(rc.layer, it.seq, rc.head), b = c.block_size;
-  const std::int32_t* table = c.table.row(rc.layer, it.seq, rc.head);
+  const std::int32_t* table_row = c.table.row(rc.layer, it.seq, rc.head);
   const std::int32_t blocks = w.rows[row].blocks;
   const std::int32_t evicted = select::head_adaptive_blocks::evicted_tokens(blocks, T, b);
   const std::int32_t k = T - evicted, kept_blocks = c.blocks_for(T) - blocks;
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(row_threads) per_head_evict_kernel(per_head_kv
       atomicAdd(reinterpret_cast<unsigned long long*>(out.freed + rc.item), static_cast<unsigned long long>(blocks));
   }
   for (std::int32_t i = threadIdx.x; i < blocks; i += row_threads)
-    out.freed_blocks[static_cast<std::int64_t>(row) * c.max_blocks + i] = table[kept_blocks + i];
+    out.freed_blocks[static_cast<std::int64_t>(row) * c.max_blocks + i] = table_row[kept_blocks + i];
   if (evicted == 0) {
     if (threadIdx.x == 0) {
       w.rows[row].moves = 0;
@@ -116,23 +119,52 @@ __global__ void __launch_bounds__(row_threads) per_head_evict_kernel(per_head_kv
     return;
   }
 
-  // The head's keys in rank order; protected tokens above every one, so never cut.
-  // Read once into shared memory where the head fits (the select reads them up to
-  // eight times), else recomputed from the cache each time.
-  const std::int32_t length = it.logical_length >= 0 ? it.logical_length : T;
-  auto cache_key = [&](std::int32_t t) -> std::uint64_t {
-    const block_slot at = split_slot(t, b);
-    const std::int32_t blk = table[at.block], slot = at.slot;
-    const std::int32_t p = c.positions.empty() ? t : c.positions.at(rc.layer, blk, slot);
-    if (per_head_protects(s, p, length)) return ~std::uint64_t{0};
-    return rank_bits(c.metric.at(rc.layer, blk, slot), p);
+  // The head's keys in rank order, rank_bits(metric, position): the schedule's 32-bit
+  // metric keys (w.keys, in this head's pairs, all read before the pairs are written)
+  // above the positions; protected tokens above every key, so never cut. Read once
+  // into shared memory where the head fits (the select reads them up to eight times):
+  // whole where positions are given, else the 32-bit metric keys alone (the position
+  // is the index), half the shared memory, twice the blocks an SM.
+  const std::uint32_t* metric_keys = w.keys + static_cast<std::int64_t>(row) * w.key_pitch;
+  // The head's table in shared memory where it fits: the holes and movers below look
+  // up a block per token, one after another in each thread.
+  const std::int32_t held_blocks = c.blocks_for(T);
+  const bool table_fits = held_blocks <= per_head_table_copy;
+  for (std::int32_t i = threadIdx.x; table_fits && i < held_blocks; i += row_threads) table_copy[i] = table_row[i];
+  __syncthreads();
+  const std::int32_t* table = table_fits ? table_copy : table_row;
+  const auto widen = [](std::uint32_t m, std::int32_t p) -> std::uint64_t {
+    return m == per_head_protected_key ? ~std::uint64_t{0} : (std::uint64_t{m} << 32) | static_cast<std::uint32_t>(p);
   };
+  const bool narrow = c.positions.empty();
+  auto cache_key = [&](std::int32_t t) -> std::uint64_t {
+    if (narrow) return widen(metric_keys[t], t);
+    const block_slot at = split_slot(t, b);
+    return widen(metric_keys[t], c.positions.at(rc.layer, table[at.block], at.slot));
+  };
+  auto* narrow_keys = reinterpret_cast<std::uint32_t*>(row_keys);
   const bool resident = T <= smem_keys;
   if (resident) {
-    for (std::int32_t t = threadIdx.x; t < T; t += row_threads) row_keys[t] = cache_key(t);
+    constexpr std::int32_t batch = per_head_loads_in_flight;
+    for (std::int32_t t0 = threadIdx.x; t0 < T; t0 += row_threads * batch) {
+      std::uint64_t key[batch];
+#pragma unroll
+      for (int i = 0; i < batch; ++i) {
+        const std::int32_t t = t0 + i * row_threads;
+        key[i] = t >= T ? 0 : narrow ? metric_keys[t] : cache_key(t);
+      }
+#pragma unroll
+      for (int i = 0; i < batch; ++i) {
+        const std::int32_t t = t0 + i * row_threads;
+        if (t < T && narrow) narrow_keys[t] = static_cast<std::uint32_t>(key[i]);
+        if (t < T && !narrow) row_keys[t] = key[i];
+      }
+    }
     __syncthreads();
   }
-  auto key_of = [&](std::int32_t t) { return resident ? row_keys[t] : cache_key(t); };
+  auto key_of = [&](std::int32_t t) {
+    return !resident ? cache_key(t) : narrow ? widen(narrow_keys[t], t) : row_keys[t];
+  };
   const std::uint64_t cut = block_kth_largest(key_of, T, k, tmp.select);
 
   // The kept bits, 32 tokens a word (a warp's ballot).
@@ -222,7 +254,8 @@ __global__ void __launch_bounds__(row_threads) per_head_copy_kernel(per_head_kv_
 }
 
 // Keys a block keeps in shared memory: the longest head the cache can hold, up to
-// 12288 (96 KiB, two blocks an SM); longer heads read their keys from the cache.
+// 12288 (96 KiB of 8-byte keys, two blocks an SM; half with 4-byte keys); longer heads
+// read their keys from the workspace and the cache.
 inline constexpr std::int32_t per_head_resident_keys = 12288;
 
 inline void launch_per_head_moves(const per_head_kv_view& c, const per_head_space& s, const per_head_workspace& w,
@@ -230,7 +263,8 @@ inline void launch_per_head_moves(const per_head_kv_view& c, const per_head_spac
   if (s.rows() == 0) return;
   const std::int64_t capacity = std::int64_t{c.max_blocks} * c.block_size;
   const auto keys = static_cast<std::int32_t>(capacity < per_head_resident_keys ? capacity : per_head_resident_keys);
-  const std::size_t smem = sizeof(std::uint64_t) * static_cast<std::size_t>(keys);
+  const std::size_t key_bytes = c.positions.empty() ? sizeof(std::uint32_t) : sizeof(std::uint64_t);
+  const std::size_t smem = key_bytes * static_cast<std::size_t>(keys);
   cudaFuncSetAttribute(per_head_evict_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   per_head_evict_kernel<<<s.rows(), row_threads, smem, stream>>>(c, s, w, out, keys);
   per_head_copy_kernel<<<s.rows() * per_head_copy_slices, row_threads, 0, stream>>>(c, s, w);

@@ -49,15 +49,22 @@ KVP_HOST_DEVICE inline per_head_coord decode_per_head_row(const per_head_space& 
 
 // Tokens one block of the histogram kernel reads of a row.
 inline constexpr std::int32_t per_head_tile_tokens = 8 * row_threads;
+// Tokens a thread of the schedule's first pass or of the evict kernel loads before it
+// uses them: independent loads in flight (a table entry, then the metric it points
+// to, is a chain of two).
+inline constexpr std::int32_t per_head_loads_in_flight = 8;
+// A row's cached key of a protected token: above every metric key (+inf's is 0xff800000).
+inline constexpr std::uint32_t per_head_protected_key = 0xffffffffu;
 // Passes of the group cut's radix select: 8 bits of the 32-bit metric key each.
 inline constexpr std::int32_t per_head_passes = 4;
 
 // A row's schedule state. `evictable`: tokens outside the protection (the histogram's
 // first pass counts them); `less`: evictable tokens whose metric key lies below the
-// group's prefix; `blocks`: blocks the row frees (first those cheaper than the cut);
-// `ties`: its blocks costing exactly the cut.
+// group's prefix; `candidates`: its keys under the prefix of passes 1 and 2 (kept
+// where they fit, per_head_workspace::candidates); `blocks`: blocks the row frees
+// (first those cheaper than the cut); `ties`: its blocks costing exactly the cut.
 struct per_head_row_state {
-  std::int32_t evictable, less, blocks, ties, moves;  // moves: tokens MoveCache copies
+  std::int32_t evictable, less, candidates[2], blocks, ties, moves;  // moves: tokens MoveCache copies
 };
 
 // A budget group's radix select: its rows' possible blocks (`total`), the blocks it
@@ -79,10 +86,20 @@ struct per_head_workspace {
   per_head_group_state* groups = nullptr;  // [groups]
   std::int64_t* cheaper = nullptr;      // [passes][groups][256]: F(j), blocks cheaper than digit j
   std::int32_t* pairs = nullptr;        // [rows][2][pitch]: each head's holes and movers (physical slots)
+  // [rows][key_pitch]: each head's 32-bit metric keys in token order (protected ones
+  // per_head_protected_key), written by the schedule's first pass and read by the
+  // others and the evict kernel instead of the metric through the table. In the pairs'
+  // memory: the evict kernel reads a head's keys before it writes the head's pairs.
+  std::uint32_t* keys = nullptr;
   std::uint32_t* kept = nullptr;        // [rows][words]: each head's kept tokens, a bit each
+  // [rows][words]: a row's keys under the prefix of pass 1 (or, where those did not
+  // fit, of pass 2), which the later passes read instead of the row's keys. In the kept
+  // bits' memory: the evict kernel writes those after the schedule.
+  std::uint32_t* candidates = nullptr;
   std::int32_t pitch = 0;
   std::int32_t words = 0;
   std::int32_t tiles = 0;               // histogram blocks per row
+  std::int32_t key_pitch = 0;           // 2 pitch: at least a head's capacity
 };
 
 // The workspace's parts, each 256-byte aligned, for a cache and a batch.
@@ -95,7 +112,8 @@ struct per_head_workspace_layout {
     const std::int64_t capacity = std::int64_t{c.max_blocks} * c.block_size;
     pools = c.shared_pool ? 1 : c.num_layers;
     // A head moves at most half its tokens (survivors past the new length, one per hole below it).
-    pitch = static_cast<std::int32_t>(capacity / 2 + 1);
+    // Even, so that a row's keys (2 pitch words) start on a 16-byte boundary.
+    pitch = static_cast<std::int32_t>((capacity / 2 + 2) & ~std::int64_t{1});
     tiles = static_cast<std::int32_t>((capacity + per_head_tile_tokens - 1) / per_head_tile_tokens);
     const auto rows_n = static_cast<std::size_t>(s.rows());
     std::size_t at = 0;
@@ -128,10 +146,13 @@ struct per_head_workspace_layout {
             reinterpret_cast<per_head_group_state*>(base + groups),
             reinterpret_cast<std::int64_t*>(base + cheaper),
             reinterpret_cast<std::int32_t*>(base + pairs),
+            reinterpret_cast<std::uint32_t*>(base + pairs),
+            reinterpret_cast<std::uint32_t*>(base + kept),
             reinterpret_cast<std::uint32_t*>(base + kept),
             pitch,
             words,
-            tiles};
+            tiles,
+            2 * pitch};
   }
 };
 
