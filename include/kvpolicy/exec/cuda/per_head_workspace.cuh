@@ -112,7 +112,8 @@ struct per_head_workspace_layout {
     const std::int64_t capacity = std::int64_t{c.max_blocks} * c.block_size;
     pools = c.shared_pool ? 1 : c.num_layers;
     // A head moves at most half its tokens (survivors past the new length, one per hole below it).
-    // Even, so that a row's keys (2 pitch words) start on a 16-byte boundary.
+    // Even, so that each row's keys (2 pitch words) start on a 16-byte boundary: a
+    // warp's loads of 32 of them fill whole sectors.
     pitch = static_cast<std::int32_t>((capacity / 2 + 2) & ~std::int64_t{1});
     tiles = static_cast<std::int32_t>((capacity + per_head_tile_tokens - 1) / per_head_tile_tokens);
     const auto rows_n = static_cast<std::size_t>(s.rows());
