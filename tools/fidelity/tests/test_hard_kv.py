@@ -8,10 +8,10 @@ import numpy as np
 import compression
 import kvpolicy
 import model
-from harness import KEEPMAP_LAYERS, Engine, SeqConfig
+from harness import KEEPMAP_LAYERS, SeqConfig
 from paged_cache import PagedCache, decode_step
 from test_per_head_cache import dense_step
-from tiny import tiny_weights
+from tiny import tiny_engine, tiny_weights
 
 
 def test_attention_reads_each_heads_live_slots():
@@ -48,14 +48,9 @@ def test_the_engine_keeps_hard_kv_counts_per_head_and_dropped_tokens_out(monkeyp
     and no position a head dropped is held by it again. (p 0.6 and a window of 8, so that
     a tiny model's flat attention leaves the heads different counts under the budget.)"""
     monkeypatch.setitem(compression._policies, "hard_kv", kvpolicy.HardKV(p=0.6, protect_window=8))
-    w = tiny_weights(seed=2)
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(0, w.config.vocab, size=21)
-    steps = rng.integers(0, w.config.vocab, size=150)
     b, budget = 16, 32
-    configs = [SeqConfig("full", None, None), SeqConfig("hard_kv@32", "hard_kv", budget),
-               SeqConfig("snapkv@32", "snapkv", budget)]
-    eng = Engine(w, configs, len(prompt), len(prompt) + len(steps) + 4, block_size=b)
+    eng, w, prompt, steps = tiny_engine([SeqConfig("hard_kv@32", "hard_kv", budget), SeqConfig("snapkv@32", "snapkv", budget)],
+                                        weights_seed=2, rng_seed=5, steps=150, block_size=b)
     assert eng.cache.cautious.tolist() == [False, True, False]
     eng.prefill(prompt)
     differ = False

@@ -6,8 +6,8 @@ import pytest
 
 import compression
 import model
-from harness import Engine, Periodic, SeqConfig, SeqState, kara_config
-from tiny import tiny_weights
+from harness import Periodic, SeqState, kara_config
+from tiny import tiny_engine
 
 
 def test_periodic_is_trigger_periodic():
@@ -34,13 +34,8 @@ def test_kara_config_budget():
 @pytest.mark.parametrize("period", [8, 4])
 def test_the_engine_compresses_each_window_once_with_its_own_queries(monkeypatch, period):
     b, W, U = 8, 16, 4
-    w = tiny_weights()
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(0, w.config.vocab, size=21)
-    steps = rng.integers(0, w.config.vocab, size=120)
     cfg = kara_config(W, U, 0.5)  # 6 of W \ U's 12, 10 of the window with the buffer
-    eng = Engine(w, [SeqConfig("full", None, None), cfg], len(prompt), len(prompt) + len(steps) + 8, block_size=b,
-                 kara_period=period)
+    eng, w, prompt, steps = tiny_engine([cfg], rng_seed=1, steps=120, block_size=b, margin=8, kara_period=period)
 
     calls = []
     real = compression.kvpolicy.compress

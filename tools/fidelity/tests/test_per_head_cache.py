@@ -12,10 +12,10 @@ import pytest
 import compression
 import kvpolicy
 import model
-from harness import Engine, PerHeadThreshold, SeqConfig, Threshold
+from harness import PerHeadThreshold, SeqConfig, Threshold
 from paged_cache import decode_step
 from per_head_cache import PerHeadCache
-from tiny import tiny_weights
+from tiny import tiny_engine, tiny_weights
 
 
 def prefilled(w, prompt, seqs=2, b=4):
@@ -223,15 +223,11 @@ def test_the_engine_compresses_kv_compress_when_the_threshold_trigger_fires(monk
     to the same cache (budget tokens per head on average), the same cache at every step; and,
     until its first compression, the full cache's logits."""
     monkeypatch.setattr(compression, "KV_COMPRESS", kvpolicy.KVCompress(protected_window=8, metric_window=8))
-    w = tiny_weights(seed=1)
-    rows = w.config.n_layers * w.config.n_kv_heads
-    rng = np.random.default_rng(7)
-    prompt = rng.integers(0, w.config.vocab, size=21)
-    steps = rng.integers(0, w.config.vocab, size=120)
     b, budget = 16, 32
-    configs = [SeqConfig("full", None, None), SeqConfig("kv_compress@32", "kv_compress", budget),
-               SeqConfig("streaming_llm@32", "streaming_llm", budget)]
-    eng = Engine(w, configs, len(prompt), len(prompt) + len(steps) + 4, block_size=b, per_head_block_size=4)
+    eng, w, prompt, steps = tiny_engine(
+        [SeqConfig("kv_compress@32", "kv_compress", budget), SeqConfig("streaming_llm@32", "streaming_llm", budget)],
+        weights_seed=1, rng_seed=7, steps=120, block_size=b, per_head_block_size=4)
+    rows = w.config.n_layers * w.config.n_kv_heads
     assert eng.per_head_ids.tolist() == [1] and eng.paged_ids.tolist() == [0, 2]
     eng.prefill(prompt)
     logits, cache = [], []

@@ -6,6 +6,7 @@ import types
 import numpy as np
 
 import model
+from harness import Engine, SeqConfig
 
 
 def tiny_weights(seed=0, layers=3):  # 3: the harness records layer 2's keep map
@@ -24,3 +25,15 @@ def tiny_weights(seed=0, layers=3):  # 3: the harness records layer 2's keep map
         wgu=[f(cfg.hidden, 2 * cfg.ffn) for _ in range(layers)], wdown=[f(cfg.ffn, cfg.hidden) for _ in range(layers)])
     w.embed_t = np.ascontiguousarray(w.embed.T)
     return w
+
+
+def tiny_engine(configs, *, weights_seed=0, rng_seed, steps, block_size, margin=4, **engine_kw):
+    """An Engine over the tiny model: the full cache, then `configs`; a random prompt of 21
+    tokens and `steps` random decode tokens. Returns (engine, weights, prompt, tokens)."""
+    w = tiny_weights(seed=weights_seed)
+    rng = np.random.default_rng(rng_seed)
+    prompt = rng.integers(0, w.config.vocab, size=21)
+    tokens = rng.integers(0, w.config.vocab, size=steps)
+    eng = Engine(w, [SeqConfig("full", None, None), *configs], len(prompt), len(prompt) + len(tokens) + margin,
+                 block_size=block_size, **engine_kw)
+    return eng, w, prompt, tokens
