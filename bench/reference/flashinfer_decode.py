@@ -1,0 +1,146 @@
+"""FlashInfer's paged decode over a transformers-style paged cache: the attention an
+engine would run beside kvpolicy, and the anchor its own decode attention is measured
+against (same process, same device copy bandwidth).
+
+The cache is what transformers' continuous batching keeps per layer: one K and one V
+tensor of [num_blocks * b, h_kv, d], viewed as [num_blocks, b, h_kv, d] (FlashInfer's
+NHD with K and V given apart). Each sequence's blocks are drawn at random from the pool.
+Every configuration is checked against an fp32 PyTorch reference before it is timed.
+
+Run on the GPU machine (FlashInfer from scripts/gpu_wheels.sh):
+  python3 bench/reference/flashinfer_decode.py --json out.json
+  python3 bench/reference/flashinfer_decode.py --configs 64x4096,256x2048 --block-size 16,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="64x4096,256x2048", help="SEQSxTOKENS,... (tokens per sequence)")
+    p.add_argument("--block-size", default="16,256", help="tokens per cache block, comma-separated")
+    p.add_argument("--h-q", type=int, default=32)
+    p.add_argument("--h-kv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
+    p.add_argument("--reps", type=int, default=50, help="timed repetitions (median reported)")
+    p.add_argument("--json", help="write the results here")
+    return p.parse_args(argv)
+
+
+def median_ms(torch, fn, reps: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def copy_bandwidth(torch, reps: int) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s), on 4 GiB."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = median_ms(torch, lambda: dst.copy_(src), reps)
+    del src, dst
+    return 2 * (2 << 30) / (ms * 1e-3) / 1e9
+
+
+def reference(torch, q, k_blocks, v_blocks, tables, lengths, scale):
+    """fp32 attention of each sequence's query over its own tokens (GQA by repeat)."""
+    out = []
+    group = q.shape[1] // k_blocks.shape[2]
+    for i, (table, n) in enumerate(zip(tables, lengths)):
+        k = k_blocks[table].reshape(-1, *k_blocks.shape[2:])[:n].float()  # [n, h_kv, d]
+        v = v_blocks[table].reshape(-1, *v_blocks.shape[2:])[:n].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", logits.softmax(-1), v))
+    return torch.stack(out)
+
+
+def run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs):
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    h_q, h_kv, d = args.h_q, args.h_kv, args.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seqs * tokens + b)
+    per_seq = math.ceil(tokens / b)
+    num_blocks = seqs * per_seq + 2  # transformers keeps two spare (trash) blocks
+    k = torch.randn(num_blocks * b, h_kv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(num_blocks * b, h_kv, d, device="cuda", dtype=dtype, generator=gen)
+    k_blocks, v_blocks = k.view(num_blocks, b, h_kv, d), v.view(num_blocks, b, h_kv, d)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen)[: seqs * per_seq].to(torch.int32)
+    tables = perm.view(seqs, per_seq)
+    lengths = [tokens] * seqs
+    q = torch.randn(seqs, h_q, d, device="cuda", dtype=dtype, generator=gen)
+    scale = 1.0 / math.sqrt(d)
+
+    indptr = torch.arange(0, seqs + 1, device="cuda", dtype=torch.int32) * per_seq
+    last = torch.full((seqs,), tokens - (per_seq - 1) * b, device="cuda", dtype=torch.int32)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    t0 = time.time()
+    wrapper.plan(indptr, tables.reshape(-1), last, h_q, h_kv, d, b, q_data_type=dtype, kv_data_type=dtype,
+                 sm_scale=scale)
+    plan_s = time.time() - t0
+    out = wrapper.run(q, (k_blocks, v_blocks))
+    torch.cuda.synchronize()
+
+    # Check on a few sequences (the fp32 reference over all of them would dominate).
+    check = list(range(min(seqs, 8)))
+    ref = reference(torch, q[check], k_blocks, v_blocks, tables[check].long(), [lengths[i] for i in check], scale)
+    rel = float((out[check].float() - ref).norm() / ref.norm())
+    if not math.isfinite(rel) or rel > 1e-2:
+        raise SystemExit(f"flashinfer_decode: {seqs}x{tokens} b {b}: relative error {rel:.3g} against fp32")
+
+    ms = median_ms(torch, lambda: wrapper.run(q, (k_blocks, v_blocks), out=out), args.reps)
+    kv_bytes = 2 * seqs * tokens * h_kv * d * k.element_size()
+    gbs = kv_bytes / (ms * 1e-3) / 1e9
+    row = {"seqs": seqs, "tokens": tokens, "block_size": b, "h_q": h_q, "h_kv": h_kv, "head_dim": d,
+           "dtype": args.dtype, "ms": ms, "kv_bytes": kv_bytes, "kv_gbs": gbs, "copy_fraction": gbs / copy_gbs,
+           "rel_error_fp32": rel, "first_plan_s": plan_s}
+    del k, v, workspace
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    t0 = time.time()
+    import flashinfer
+
+    import_s = time.time() - t0
+    copy_gbs = copy_bandwidth(torch, args.reps)
+    rows = []
+    for cfg in args.configs.split(","):
+        seqs, tokens = (int(x) for x in cfg.lower().split("x"))
+        for b in (int(x) for x in args.block_size.split(",")):
+            rows.append(run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs))
+            r = rows[-1]
+            print(f"{seqs:4d} x {tokens:5d} b {b:3d}: {r['ms']:.3f} ms, {r['kv_gbs']:.0f} GB/s of K/V, "
+                  f"{r['copy_fraction']:.3f} of copy ({copy_gbs:.0f} GB/s), rel err {r['rel_error_fp32']:.1e}, "
+                  f"first plan {r['first_plan_s']:.1f} s", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": flashinfer.__version__,
+              "import_s": import_s, "copy_gbs": copy_gbs, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

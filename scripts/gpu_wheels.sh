@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Python packages the GPU machine lacks, made small enough to travel with the tree
+# (the device tool carries at most 64 MiB a call) and unpacked there:
+#
+#   scripts/gpu_wheels.sh fetch              # here (PyPI reachable): writes .whl/ (git-ignored)
+#   scripts/gpu_wheels.sh install DIR        # there: unpacks into DIR; then PYTHONPATH=DIR
+#
+# flashinfer: flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.15 (the versions
+# bench/reference/flashinfer_decode.py and the transformers adapter's runs are tested
+# with). The wheel is 62 MiB because it ships the sources of every kernel family it can
+# compile at run time (420 MB unpacked: MoE, GEMM, MLA, Blackwell kernels, CUTLASS,
+# CCCL). Paged decode compiles from data/include and csrc's top-level files alone, so
+# the archive keeps those, every Python module (flashinfer imports most at import
+# time), spdlog, and tvm-ffi whole: 11 MiB as .tar.xz. Anything that needs the dropped
+# sources (prefill through CUTLASS, MoE, ...) fails at its JIT build with a missing
+# file: take the whole wheel for those.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+FLASHINFER=flashinfer-python==0.7.2.post1
+TVM_FFI=apache-tvm-ffi==0.1.15
+ARCHIVE=.whl/flashinfer-0.7.2.post1-decode.tar.xz
+
+fetch() {
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  # The GPU machine's python3 is CPython 3.12 on x86-64.
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$tmp/wheels" "$FLASHINFER" "$TVM_FFI"
+  mkdir -p "$tmp/all" "$tmp/keep" .whl
+  (cd "$tmp/all" && for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" .; done)
+  (
+    cd "$tmp/all"
+    {
+      find flashinfer/data/include flashinfer/data/spdlog -type f
+      find flashinfer/data/csrc -maxdepth 1 -type f
+      find . -type f ! -path './flashinfer/*'  # tvm_ffi and both dist-info folders, whole
+      find flashinfer -type f ! -path 'flashinfer/data/*' \( -name '*.py' -o -name '*.jinja' -o -name '*.json' -o -name 'py.typed' \)
+    } | tar -cf - -T - | tar -xf - -C "$tmp/keep"
+  )
+  tar -cJf "$ARCHIVE" -C "$tmp/keep" .
+  echo "gpu_wheels.sh: $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1)); carry .whl and run 'scripts/gpu_wheels.sh install DIR' there"
+}
+
+install() {
+  local dir=${1:?install needs a folder}
+  [[ -f $ARCHIVE ]] || { echo "gpu_wheels.sh: no $ARCHIVE (run 'scripts/gpu_wheels.sh fetch' where PyPI is reachable, carry .whl)" >&2; exit 2; }
+  mkdir -p "$dir"
+  tar -xJf "$ARCHIVE" -C "$dir"
+  echo "gpu_wheels.sh: flashinfer unpacked in $dir (export PYTHONPATH=$dir)"
+}
+
+case ${1:-} in
+  fetch) fetch ;;
+  install) install "${2:-}" ;;
+  *)
+    sed -n '2,16p' "$0"
+    exit 2
+    ;;
+esac
