@@ -8,10 +8,10 @@
 # flashinfer: flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.15 (the versions
 # bench/reference/flashinfer_decode.py and the transformers adapter's runs are tested
 # with). The wheel is 62 MiB because it ships the sources of every kernel family it can
-# compile at run time (420 MB unpacked: MoE, GEMM, MLA, Blackwell kernels, CUTLASS,
-# CCCL). Paged decode compiles from data/include and csrc's top-level files alone, so
-# the archive keeps those, every Python module (flashinfer imports most at import
-# time), spdlog, and tvm-ffi whole: 11 MiB as .tar.xz. Anything that needs the dropped
+# compile at run time (420 MB unpacked: MoE, GEMM, MLA, Blackwell kernels, CUTLASS).
+# Paged decode compiles from data/include, csrc's top-level files and its own CCCL
+# (newer than CUDA 13.0's: cuda::fast_mod_div), so the archive keeps those, every
+# Python module (flashinfer imports most at import time), spdlog, and tvm-ffi whole. Anything that needs the dropped
 # sources (prefill through CUTLASS, MoE, ...) fails at its JIT build with a missing
 # file: take the whole wheel for those.
 set -euo pipefail
@@ -34,7 +34,7 @@ fetch() {
   (
     cd "$tmp/all"
     {
-      find flashinfer/data/include flashinfer/data/spdlog -type f
+      find flashinfer/data/include flashinfer/data/spdlog flashinfer/data/cccl -type f
       find flashinfer/data/csrc -maxdepth 1 -type f
       find . -type f ! -path './flashinfer/*'  # tvm_ffi and both dist-info folders, whole
       find flashinfer -type f ! -path 'flashinfer/data/*' \( -name '*.py' -o -name '*.jinja' -o -name '*.json' -o -name 'py.typed' \)
