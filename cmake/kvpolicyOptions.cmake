@@ -19,18 +19,15 @@ function(kvpolicy_warnings target)
   endif()
 endfunction()
 
-# What every CUDA target of this project compiles with. CMake 3.25's CUDA_STANDARD 20
-# adds no flag to nvcc 13, so the dialect is passed by hand, to CUDA sources only.
-# No --expt-relaxed-constexpr: the library compiles without it, and so must every
+# What every CUDA target of this project compiles with, beyond what kvpolicy::kvpolicy
+# gives every consumer (-std=c++20 for nvcc: CMakeLists.txt). No --expt-relaxed-constexpr: the library compiles without it, and so must every
 # target that shows users how to use it.
 # KVPOLICY_PTXAS_VERBOSE (off) adds -Xptxas=-v: registers, shared memory and spills
 # per kernel, printed at every build. Also applies kvpolicy_warnings(). Safe to call
 # on a target without CUDA sources and when CUDA is off (the generator expressions
 # then select nothing).
 function(kvpolicy_cuda_options target)
-  target_compile_options(${target} PRIVATE
-    "$<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>"
-    "$<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>")
+  target_compile_options(${target} PRIVATE "$<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>")
   if(KVPOLICY_PTXAS_VERBOSE)
     target_compile_options(${target} PRIVATE "$<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>")
   endif()

@@ -1,6 +1,12 @@
 // kvpolicy configuration: one host/device macro and the versioned namespace.
 #pragma once
 
+// Concepts, std::span and designated initialisers are everywhere: say what is missing
+// before the first error about one of them (nvcc defaults to C++17).
+#if __cplusplus < 202002L
+#error "kvpolicy needs C++20: compile with -std=c++20 (nvcc too: CMake 3.25 gives nvcc no standard flag of its own; README, 'Using kvpolicy from CMake')"
+#endif
+
 #define KVPOLICY_VERSION_MAJOR 0
 #define KVPOLICY_VERSION_MINOR 1
 #define KVPOLICY_VERSION_PATCH 0

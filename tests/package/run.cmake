@@ -1,6 +1,7 @@
 # Package tests, run by ctest as `cmake -D MODE=install|subdir ... -P run.cmake`.
 #   install: `cmake --install` the kvpolicy build into WORK_DIR/prefix, then build
-#            consumer/ against it with find_package(kvpolicy CONFIG) and run it.
+#            consumer/ against it with find_package(kvpolicy CONFIG) and run it (with
+#            CUDA_COMPILER set, consumer/main_cuda.cu is built too, not run).
 #   subdir:  build subdir/, which pulls the kvpolicy source tree in with
 #            add_subdirectory and builds the same consumer/main.cpp, and run it.
 cmake_minimum_required(VERSION 3.25)
@@ -41,7 +42,13 @@ if(MODE STREQUAL "install")
   if(NOT EXISTS ${prefix}/include/kvpolicy/kvpolicy.hpp OR NOT config_file)
     message(FATAL_ERROR "install into ${prefix} lacks include/kvpolicy/kvpolicy.hpp or kvpolicyConfig.cmake")
   endif()
-  run(${CMAKE_COMMAND} -S ${PACKAGE_DIR}/consumer -B ${build} ${configure_args}
+  # With nvcc, a CUDA consumer too, configured as README says and no more: sm_90a,
+  # the library's default architecture.
+  set(cuda_args)
+  if(CUDA_COMPILER)
+    set(cuda_args -D KVPOLICY_CONSUMER_CUDA=ON -D CMAKE_CUDA_COMPILER=${CUDA_COMPILER} -D CMAKE_CUDA_ARCHITECTURES=90a)
+  endif()
+  run(${CMAKE_COMMAND} -S ${PACKAGE_DIR}/consumer -B ${build} ${configure_args} ${cuda_args}
       -D CMAKE_PREFIX_PATH=${prefix}
       -D KVPOLICY_EXPECTED_PREFIX=${prefix}
       -D CMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/exec/cuda/architecture.cuh"
 #include "kvpolicy/core/batch.hpp"
 #include "kvpolicy/exec/device_status.hpp"
 #include "kvpolicy/select/rank_order.hpp"
