@@ -1,9 +1,11 @@
-// Calibrated top-p (SPEC.md "Calibrated top-p"; Hard-KV 3.2, app. D): the raw count
-// n_p, the temperature search (bisection and first order), its outcomes at the
-// bounds, the temperature kept per (slot, layer, head) and reused, the caps, the
-// options, the checks; and the hard_kv presets through the executors (the CUDA build
-// of this file runs each case on both executors and compares them, temperatures
-// included).
+// Calibrated top-p (SPEC.md "Calibrated top-p"; Hard-KV 3.2, app. D) with the
+// unprotected_only scope (the protected tokens out of both distributions, T relative
+// to the row's largest |s| on [1e-3, 10]): the raw count n_p, the temperature search
+// (bisection and first order), its outcomes at the bounds, the temperature kept per
+// (slot, layer, head) and reused, the caps, the options, the checks; and the hard_kv
+// presets through the executors (the CUDA build of this file runs each case on both
+// executors and compares them, temperatures included). The default rule, the
+// authors' (whole row), is test_calibrated_top_p_whole_row.cpp's.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -88,10 +90,19 @@ struct reference_row {
   }
 };
 
-int keep_count(const calibrated_top_p& sel, const std::vector<float>& s, const std::vector<float>& raw, int must,
+// The unprotected_only rule as this file tests it: scores divided by the row's largest
+// |s|, T on [1e-3, 10], no top-k union unless a case asks.
+calibrated_top_p unprotected_rule(calibrated_top_p sel) {
+  sel.scope = kvp::select::calibration_scope::unprotected_only;
+  sel.divide_by_row_max = true;
+  if (sel.t_max == calibrated_top_p{}.t_max) sel.t_max = 10.0f;
+  return sel;
+}
+
+int keep_count(calibrated_top_p sel, const std::vector<float>& s, const std::vector<float>& raw, int must,
                int budget = 1, kvp::head_index head = {}, int slot = 0) {
   const kvp::host::selector_row row(s, raw, static_cast<std::int32_t>(s.size()), must, head, slot);
-  return sel.row_keep_count(row, budget);
+  return unprotected_rule(sel).row_keep_count(row, budget);
 }
 
 // A row of n tokens: raw attention falling off geometrically from a few heavy hitters,
@@ -163,12 +174,13 @@ TEST_CASE("calibrated top-p: monotone in T and in p") {
   std::vector<float> s, raw;
   random_row(7, 500, s, raw);
   const kvp::host::selector_row row(s, raw, 500, 0, {}, 0);
-  const calibrated_top_p sel{};
-  const kvp::rank_cut cut = row.top(kvp::select::calibration::score_key{}, 60);
-  const float top = row.max(kvp::select::calibration::score_key{}), unit = 1.0f / top;
+  using unprotected = kvp::select::calibration::unprotected_only;
+  const calibrated_top_p sel = unprotected_rule({});
+  const kvp::rank_cut cut = row.top(kvp::select::calibration::value_key<unprotected>{}, 60);
+  const float top = row.max(kvp::select::calibration::value_key<unprotected>{}), unit = 1.0f / top;
   float last_mass = 2.0f;
   for (float T = 1e-3f; T <= 10.0f; T *= 1.5f) {
-    const float m = sel.mass(row, cut, top, unit, T);
+    const float m = sel.mass<unprotected>(row, cut, top, unit, T);
     CHECK(m <= last_mass);
     last_mass = m;
   }
@@ -278,6 +290,7 @@ TEST_CASE("calibrated top-p: protected tokens, caps, the top-k union") {
   // Union with the top (budget - protected): the larger of the two counts.
   CHECK(keep_count(calibrated_top_p{.upper = 0, .union_top_k = true}, prot, raw, 16, 380) == 380);
   CHECK(keep_count(calibrated_top_p{.upper = 0, .union_top_k = true}, prot, raw, 16, 17) == count);
+  CHECK(keep_count(calibrated_top_p{.upper = 0, .union_top_k = false}, prot, raw, 16, 380) == count);
 }
 
 TEST_CASE("calibrated top-p: bad parameters and state are refused, naming the field") {

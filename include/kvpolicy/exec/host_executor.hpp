@@ -182,9 +182,11 @@ struct host_executor {
           }
 
           std::vector<std::uint8_t> keep;
+          std::vector<float> before;  // the final scores before protect, for a selector that reads them
           std::int32_t kept = T;
           timed(stage::select, [&] {
             out.nonfinite_scores[i] += host::count_nonfinite(cand);
+            if constexpr (sees_protected_scores<Sel>) before = host::scores_before_protect(s, n, alive);
             host::apply_protect(p.protect, s, n);
             // Dropped tokens: never kept, whatever protects their slots.
             for (std::int32_t t = 0; t < T && !alive.empty(); ++t)
@@ -194,7 +196,7 @@ struct host_executor {
               p.select.keep_pattern(cand, it.budget, std::span<std::uint8_t>(keep.data(), static_cast<std::size_t>(n)));
               kept = T - n + p.select.region_keep(n, it.budget);
             } else {
-              kept = host::keep_count(p.select, s, raw, n, must_live, it.budget, head, it.query_slot, live);
+              kept = host::keep_count(p.select, s, raw, before, n, must_live, it.budget, head, it.query_slot, live);
               keep = host::select_top(p.select, s, kept, alive);
             }
           });

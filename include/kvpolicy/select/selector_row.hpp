@@ -15,7 +15,16 @@ struct row_token {
   float score;     // the final score: after aggregation, redundancy and protect (+inf where protected)
   float raw;       // the scorer's own score, before aggregation (0 without a scorer)
   std::int32_t t;  // position in the row
+  // The final score before protect: a protected token's own score, which a selector
+  // that sees protected scores (Sel::sees_protected_scores) reads; -inf for tokens
+  // past the candidates (no score) and for tokens a head dropped; = score elsewhere.
+  float before_protect;
 };
+
+// Whether a selector reads row_token::before_protect: the executors then keep the
+// scores protect replaces (calibrated top-p over the whole row).
+template <class Sel>
+inline constexpr bool sees_protected_scores = requires { requires Sel::sees_protected_scores; };
 
 // What `row_keep_count(row, k)` may call on its row (a host loop or a whole thread
 // block run it, kvp::host::selector_row and kvp::cuda::block_selector_row). On the

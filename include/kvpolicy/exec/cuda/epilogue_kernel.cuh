@@ -23,9 +23,15 @@
 KVP_NAMESPACE_BEGIN
 namespace cuda {
 
-// Shared memory of the epilogue, in floats: the row and a copy for pooling.
+// Arrays of max_tokens floats the epilogue holds per row: the row and a copy for
+// pooling, and for a selector that sees protected scores the scores before protect.
+template <class Sel>
+inline constexpr std::int32_t epilogue_row_arrays = sees_protected_scores<Sel> ? 3 : 2;
+
+// Shared memory of the epilogue, in floats.
+template <class Sel>
 KVP_HOST_DEVICE constexpr std::size_t epilogue_smem_floats(std::int32_t max_tokens) {
-  return 2 * std::size_t(max_tokens);
+  return epilogue_row_arrays<Sel> * std::size_t(max_tokens);
 }
 
 struct epilogue_shared {
@@ -153,8 +159,9 @@ __device__ inline void write_item_result(const epilogue_out& out, const paged_kv
   }
 }
 
-// `rows_global`: null when the row and its pooling copy fit in shared memory;
-// otherwise [2][rows][max_tokens] floats of global memory that stand in for them
+// `rows_global`: null when the row and its pooling copy (and the scores before protect)
+// fit in shared memory; otherwise [epilogue_row_arrays][rows][max_tokens] floats of
+// global memory that stand in for them
 // (rows too long for shared memory: slower, same results). `ready_in`: null to wait
 // for the whole grid before (scores and redundancy), or the score stage's row
 // hand-off flags; `ready_out`: null, or the flags this kernel hands each row on with.
@@ -182,6 +189,8 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
   const std::int64_t cells = rs.rows() * rs.max_tokens;
   float* s = rows_global ? rows_global + base : reinterpret_cast<float*>(smem4);
   float* tmp = rows_global ? rows_global + cells + base : s + rs.max_tokens;
+  float* before = nullptr;  // the final scores before protect (row_token::before_protect)
+  if constexpr (sees_protected_scores<Sel>) before = rows_global ? rows_global + 2 * cells + base : s + 2 * rs.max_tokens;
   const float inf = __builtin_huge_valf();
   // Cautious update: a token the head dropped enters aggregation with no score, is
   // never kept and is not counted as protected (host_executor.hpp, the same steps).
@@ -232,9 +241,11 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
   float held_tokens = 0.0f, held_protected = 0.0f;
   for (std::int32_t t = threadIdx.x; t < T; t += blockDim.x) {
     const bool covered = p.protect.covers(t, T) || t >= n;
+    const bool h = !cautious || held(t);
+    // As host::scores_before_protect: no score past the candidates, none where dropped.
+    if (before) before[t] = t < n && h ? s[t] : -inf;
     if (covered) s[t] = inf;
     if (cautious) {
-      const bool h = held(t);
       if (!h) s[t] = -inf;
       held_mark[t] = h ? 1.0f : 0.0f;
       held_tokens += h ? 1.0f : 0.0f;
@@ -251,8 +262,8 @@ __global__ void __launch_bounds__(row_threads, epilogue_tuning::blocks_per_sm)
   // How many the row keeps, then which: the keep_count largest rank keys, or the
   // selector's pattern (a pattern kind, select_count.cuh). A dropped token's key is 0,
   // below every held one's (rank_bits of -inf at position 0 is 0x007fffff << 32).
-  const count_inputs in{s, scored ? scores_in + base : nullptr, T, n, must, it.budget, head_index{rc.layer, rc.head},
-                         it.query_slot, live};
+  const count_inputs in{s,    scored ? scores_in + base : nullptr, before, T, n, must, it.budget,
+                         head_index{rc.layer, rc.head}, it.query_slot, live};
   const std::int32_t keep_count = count_kind::keep_count(p.select, in, count_storage);
   if constexpr (is_pattern_kind<count_kind>) {
     // The pooling copy is free again: the pattern's working positions.

@@ -21,6 +21,7 @@ namespace cuda {
 struct count_inputs {
   const float* s;       // final scores (after protect)
   const float* raw;     // the scorer's scores before aggregation (global memory), or null
+  const float* before;  // the final scores before protect, or null (a selector that does not read them)
   std::int32_t T, candidates, protected_tokens, budget;
   head_index head;
   std::int32_t slot;  // the item's query_slot
@@ -52,7 +53,8 @@ struct score_dependent_count {
   using storage = selector_row_storage;
   template <class Sel>
   __device__ static std::int32_t keep_count(const Sel& sel, const count_inputs& in, storage& sh) {
-    const block_selector_row row(in.s, in.raw, in.T, in.candidates, in.protected_tokens, in.head, in.slot, sh);
+    const block_selector_row row(in.s, in.raw, in.before, in.T, in.candidates, in.protected_tokens, in.head, in.slot,
+                                 sh);
     const std::int32_t n = sel.row_keep_count(row, in.budget);
     return n < in.protected_tokens ? in.protected_tokens : (n > in.live ? in.live : n);
   }

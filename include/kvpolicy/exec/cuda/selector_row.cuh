@@ -20,17 +20,20 @@ struct selector_row_storage {
   weighted_select_storage select;
 };
 
-// The row's final scores `s` (shared or global memory) and the scorer's `raw` ones
-// (global memory, written for the candidates only; null without a scorer). Its members are __host__ __device__ so that
+// The row's final scores `s` (shared or global memory), the scorer's `raw` ones
+// (global memory, written for the candidates only; null without a scorer) and the
+// final scores before protect `before` (beside `s`; null unless the selector sees
+// protected scores: then the final scores stand in). Its members are __host__ __device__ so that
 // a selector's KVP_HOST_DEVICE row_keep_count compiles for either side; they run on
 // the device only, where the epilogue calls them.
 class block_selector_row {
  public:
-  __device__ block_selector_row(const float* s, const float* raw, std::int32_t T, std::int32_t candidates,
-                                std::int32_t protected_tokens, head_index head, std::int32_t slot,
-                                selector_row_storage& sh)
+  __device__ block_selector_row(const float* s, const float* raw, const float* before, std::int32_t T,
+                                std::int32_t candidates, std::int32_t protected_tokens, head_index head,
+                                std::int32_t slot, selector_row_storage& sh)
       : s_(s),
         raw_(raw),
+        before_(before),
         T_(T),
         candidates_(candidates),
         protected_(protected_tokens),
@@ -97,11 +100,12 @@ class block_selector_row {
  private:
   // Past the candidates the scorer wrote nothing: raw is 0 there, as on the host.
   KVP_HOST_DEVICE row_token token(std::int32_t t) const {
-    return {s_[t], raw_ != nullptr && t < candidates_ ? raw_[t] : 0.0f, t};
+    return {s_[t], raw_ != nullptr && t < candidates_ ? raw_[t] : 0.0f, t, before_ != nullptr ? before_[t] : s_[t]};
   }
 
   const float* s_;
   const float* raw_;
+  const float* before_;
   std::int32_t T_, candidates_, protected_;
   head_index head_;
   std::int32_t slot_;

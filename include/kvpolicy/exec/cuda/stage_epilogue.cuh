@@ -37,7 +37,7 @@ struct epilogue_stage {
   template <class P>
   static plan_type plan(const stage_context<P>& c, std::int64_t rows) {
     plan_type pl;
-    const std::size_t row_bytes = epilogue_smem_floats(c.max_tokens) * sizeof(float);
+    const std::size_t row_bytes = epilogue_smem_floats<typename P::select_type>(c.max_tokens) * sizeof(float);
     pl.rows_in_shared = row_bytes <= c.dev.smem_per_block;
     pl.kernel = pl.rows_in_shared ? "epilogue_kernel" : "epilogue_kernel<rows in global memory>";
     pl.grid_x = static_cast<unsigned>(rows);
@@ -47,13 +47,17 @@ struct epilogue_stage {
   template <class P>
   static buffers reserve(const stage_context<P>& c, const plan_type& pl, workspace_builder& ws, std::int64_t rows) {
     buffers b;
-    if (!pl.rows_in_shared) b.rows_global = ws.take(2 * static_cast<std::size_t>(rows) * c.max_tokens * sizeof(float));
+    constexpr std::size_t arrays = epilogue_row_arrays<typename P::select_type>;
+    if (!pl.rows_in_shared) b.rows_global = ws.take(arrays * static_cast<std::size_t>(rows) * c.max_tokens * sizeof(float));
     return b;
   }
   template <class P>
   static void launch(const stage_context<P>& c, const plan_type& pl, const buffers& b, const epilogue_launch& a) {
-    // The group's two regions (the rows, their pooling copies) of its rows each.
-    float* rows_global = pl.rows_in_shared ? nullptr : rows_of<float>(a.workspace, b.rows_global, a.row0, 2 * c.max_tokens);
+    // The group's regions (the rows, their pooling copies, the scores before protect)
+    // of its rows each.
+    constexpr std::size_t arrays = epilogue_row_arrays<typename P::select_type>;
+    float* rows_global =
+        pl.rows_in_shared ? nullptr : rows_of<float>(a.workspace, b.rows_global, a.row0, arrays * c.max_tokens);
     cuda::launch(pl, a.stream, a.programmatic, epilogue_kernel<P>, c.p, c.cache, c.f, a.rs, a.scores_in, a.red_in,
                  rows_global, a.out, a.ready_in, a.ready_out);
   }

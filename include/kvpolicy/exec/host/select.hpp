@@ -34,17 +34,32 @@ inline std::int32_t count_nonfinite(std::span<const float> candidates) {
       std::count_if(candidates.begin(), candidates.end(), [](float x) { return !std::isfinite(x); }));
 }
 
+// The final scores before protect, as a selector that sees protected scores reads
+// them (row_token::before_protect): `s` as it was, -inf past the candidates (no score)
+// and where the head dropped the token (`alive`, empty: none dropped).
+inline std::vector<float> scores_before_protect(std::span<const float> s, std::int32_t candidates,
+                                                std::span<const std::uint8_t> alive) {
+  std::vector<float> out(s.begin(), s.end());
+  for (std::size_t t = 0; t < out.size(); ++t)
+    if (static_cast<std::int32_t>(t) >= candidates || (!alive.empty() && !alive[t]))
+      out[t] = -std::numeric_limits<float>::infinity();
+  return out;
+}
+
 // How many tokens a row keeps. `s`: the final scores (after protect), `raw`: the
-// scorer's before aggregation; `must`: the protected tokens; `live`: the tokens the
-// head still holds (cautious update; the row's T without a live view), which bound it.
+// scorer's before aggregation, `before_protect`: the final scores before protect
+// (scores_before_protect; empty unless the selector sees protected scores); `must`:
+// the protected tokens; `live`: the tokens the head still holds (cautious update; the
+// row's T without a live view), which bound it.
 template <Selector Sel>
 std::int32_t keep_count(const Sel& sel, std::span<const float> s, std::span<const float> raw,
-                        std::int32_t candidates, std::int32_t must, std::int32_t budget, head_index head,
-                        std::int32_t slot, std::int32_t live) {
+                        std::span<const float> before_protect, std::int32_t candidates, std::int32_t must,
+                        std::int32_t budget, head_index head, std::int32_t slot, std::int32_t live) {
   if constexpr (std::same_as<Sel, none>) {
     return live;
   } else if constexpr (ScoreDependentSelector<Sel>) {
-    const std::int32_t n = sel.row_keep_count(selector_row(s, raw, candidates, must, head, slot), budget);
+    const std::int32_t n =
+        sel.row_keep_count(selector_row(s, raw, candidates, must, head, slot, before_protect), budget);
     return std::clamp(n, must, live);
   } else {
     return std::min(budget_keep_count(sel, live, budget, head), live);  // a budget past the held tokens

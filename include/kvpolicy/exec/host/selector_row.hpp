@@ -23,10 +23,14 @@ namespace host {
 // host alone (a device build traps).
 class selector_row {
  public:
+  // `before_protect`: the final scores before protect (row_token::before_protect);
+  // empty: the final scores, so that protected tokens have none of their own.
   selector_row(std::span<const float> score, std::span<const float> raw, std::int32_t candidates,
-               std::int32_t protected_tokens, head_index head, std::int32_t slot = 0)
+               std::int32_t protected_tokens, head_index head, std::int32_t slot = 0,
+               std::span<const float> before_protect = {})
       : score_(score),
         raw_(raw),
+        before_(before_protect),
         size_(static_cast<std::int32_t>(score.size())),
         candidates_(candidates),
         protected_(protected_tokens),
@@ -96,7 +100,9 @@ class selector_row {
   }
 
  private:
-  row_token token(std::int32_t t) const { return {score_[t], raw_.empty() ? 0.0f : raw_[t], t}; }
+  row_token token(std::int32_t t) const {
+    return {score_[t], raw_.empty() ? 0.0f : raw_[t], t, before_.empty() ? score_[t] : before_[t]};
+  }
   // Every token's rank_bits under key, largest first.
   template <class Key>
   std::vector<std::uint64_t> ranked(Key&& key) const {
@@ -106,7 +112,7 @@ class selector_row {
     return bits;
   }
 
-  std::span<const float> score_, raw_;
+  std::span<const float> score_, raw_, before_;
   std::int32_t size_, candidates_, protected_;
   head_index head_;
   std::int32_t slot_;
