@@ -254,6 +254,24 @@ class Adapter:
     def reset_stats(self) -> None:
         self.stats = Stats()
 
+    def protected_tokens(self) -> int:
+        """Tokens the preset always keeps: its observation window and sinks."""
+        params = self.policy.params()
+        return params.get("protect_window", params.get("window", 0)) + params.get("sinks", 0)
+
+    def trigger_for(self, block_size: int):
+        """The trigger used with blocks of ``block_size`` tokens (validated)."""
+        trigger = self.trigger or default_trigger(self.policy_name, self.budget, block_size)
+        trigger.validate()
+        protected = self.protected_tokens()
+        budget = getattr(trigger, "budget", None)
+        if budget is None:  # the threshold trigger keeps N_max - 1 blocks
+            budget = (trigger.max_blocks - 1) * trigger.block_size
+        if budget < protected:
+            _refuse("budget", f"is {budget}; {self.policy_name} always keeps its {protected} protected tokens "
+                    "(observation window and sinks), so the budget must be at least that")
+        return trigger
+
     def _attach_model(self, model) -> None:
         config = model.config.get_text_config()
         _check_model_config(config)
@@ -277,6 +295,8 @@ class Adapter:
         if manager.is_running():
             _refuse("manager", "is running; attach before start() (requests already running were not observed)")
         _check_manager(manager, observing_only=self.policy is None)
+        if self.policy is not None:
+            self.trigger_for(manager.continuous_batching_config.block_size)  # a bad budget fails here, not mid-run
         shipped = manager._create_batch_processor
 
         def create_batch_processor():
@@ -376,9 +396,11 @@ class _Run:
         b, nb, h_kv, d = cache.block_size, cache.num_blocks, cache.num_key_value_heads, cache.head_dim
         self.block_size = b
         self.layers = len(cache.key_cache)
+        self.window, self.free_slots = 0, []
+        self.ring = self.trash_row = self.dst = self.scores = self.live = None
         if self.policy is not None:
-            self.trigger = adapter.trigger or default_trigger(adapter.policy_name, adapter.budget, b)
-            self.trigger.validate()
+            self.trigger = adapter.trigger_for(b)
+            self.protected = adapter.protected_tokens()  # a request no longer than this has nothing to drop
             # The engine's tensors as the nhd layout: the two trash blocks are blocks nb and nb + 1.
             self.k = [t.view(nb + 2, b, h_kv, d) for t in cache.key_cache]
             self.v = [t.view(nb + 2, b, h_kv, d) for t in cache.value_cache]
@@ -387,7 +409,6 @@ class _Run:
             self.window = adapter._window
             slots = adapter.max_requests or processor.cb_config.max_requests_per_batch
             self.free_slots = list(range(slots - 1, -1, -1)) if self.window else []
-            self.ring = self.trash_row = self.dst = None
             if self.window:
                 self.trash_row = slots * self.window  # rows of tokens outside every window land here
                 self.ring = torch.zeros(self.layers, self.trash_row + 1, self.h_q * d, dtype=cache.dtype,
@@ -551,7 +572,8 @@ class _Run:
         if self.policy is not None:
             due = [rec for rid, rec in self.records.items()
                    if rec.slot >= 0 and rec.state.status == RequestStatus.DECODING and rec.seen >= self.window
-                   and rec.seq.length == rec.state.position_offset and self.trigger.due(rec.seq, self.step)]
+                   and rec.seq.length == rec.state.position_offset and rec.seq.length > self.protected
+                   and self.trigger.due(rec.seq, self.step)]
             if due:
                 started = time.perf_counter()
                 self._compress(due)
