@@ -271,7 +271,10 @@ void host_per_head_metric(const kv_compress& p, nb::handle queries_arg, nb::hand
                                   qpos = item_column(qpos_arg, "query_positions", n);
   kvp::validate_per_head(c);
   const std::int32_t window = prefill ? p.metric.window : 1;
-  require(q.window >= window, "queries", "holds {} queries a slot; the metric reads the last {}", q.window, window);
+  require(q.window >= window, "queries",
+          "holds {} queries a slot; the metric reads the last {}: pass at least that many, or set the policy's "
+          "metric_window (kvpolicy.KVCompress(metric_window={}))",
+          q.window, window, q.window);
   for (std::size_t i = 0; i < n; ++i) {
     require(seqs[i] >= 0 && seqs[i] < c.num_seqs, kvp::detail::path("seqs[{}]", i), "is {}; the cache has {} sequences",
             seqs[i], c.num_seqs);

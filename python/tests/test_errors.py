@@ -71,8 +71,11 @@ def test_shared_blocks_are_refused(case):
 
 def test_missing_and_malformed_side_arrays(case):
     cache, args = case.cache("nano_vllm")
-    raises("queries.base", kvpolicy.compress, kvpolicy.SnapKV(window=16), cache, seqs=[0], budgets=20)
-    raises("scores.base", kvpolicy.compress, kvpolicy.Zipage(), cache, seqs=[0], budgets=20, queries=case.queries)
+    # A missing view's error names the keyword that supplies it.
+    e = raises("queries.base", kvpolicy.compress, kvpolicy.SnapKV(window=16), cache, seqs=[0], budgets=20)
+    assert "pass queries=" in str(e), str(e)
+    e = raises("scores.base", kvpolicy.compress, kvpolicy.Zipage(), cache, seqs=[0], budgets=20, queries=case.queries)
+    assert "pass scores=" in str(e) and "null pointer" in str(e), str(e)
     raises("scores", kvpolicy.compress, kvpolicy.Zipage(), cache, seqs=[0], budgets=20, queries=case.queries,
            scores=case.scores[:, :-1])
     raises("scores", kvpolicy.compress, kvpolicy.Zipage(), cache, seqs=[0], budgets=20, queries=case.queries,

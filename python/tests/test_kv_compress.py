@@ -213,6 +213,31 @@ def test_random_against_reference(b, dtype, shared):
         assert isinstance(r.new_lengths, np.ndarray) and r.freed.dtype == np.int64
 
 
+@pytest.mark.parametrize("b", [1, 4])
+def test_asking_for_more_than_can_be_freed(b):
+    """blocks_to_free is the most an item frees: no head frees a block holding a protected
+    token (its last protected_window tokens), and freeing e blocks evicts the hanging
+    tokens of its partial last block and (e - 1) whole ones. Asked for more than that, an
+    item frees exactly that, the same as when asked for exactly that."""
+    window = 3
+    case = make_case(L=2, seqs=3, H=2, b=b, max_blocks=max(2, 24 // b), seed=4 + b)
+    can = 0
+    for T in case["lengths"][:, 1].reshape(-1).tolist():  # sequence 1's heads
+        hanging = T % b or b
+        evictable = max(T - window, 0)
+        can += 0 if T == 0 or evictable < hanging else 1 + (evictable - hanging) // b
+    policy = kvpolicy.KVCompress(protected_window=window)
+    r, c = run(case, policy, seqs=[1], blocks_to_free=10**6)
+    exact, c_exact = run(case, policy, seqs=[1], blocks_to_free=can)
+    assert int(r.freed[0]) == can > 0
+    for name in ("new_lengths", "freed_counts", "freed_blocks", "evicted", "moved"):
+        np.testing.assert_array_equal(getattr(r, name), getattr(exact, name), err_msg=name)
+    for name in ("k", "v", "metric"):
+        assert c[name].tobytes() == c_exact[name].tobytes(), name
+    # What is left of each head: at most its protected tokens and a partial block's remainder.
+    assert (r.new_lengths <= window + b).all()
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_per_layer_budget(shared):
     case = make_case(L=3, seqs=2, H=3, b=4, shared=shared, seed=5)
@@ -631,7 +656,8 @@ def test_metric_errors():
     raises("queries", call, q=queries[:, :, :, :3])
     raises("queries", call, q=queries[:1])
     raises("queries", call, q=queries.astype(np.int32))
-    raises("queries", call, policy=kvpolicy.KVCompress(metric_window=7))  # the slot holds 6
+    e = raises("queries", call, policy=kvpolicy.KVCompress(metric_window=7))  # the slot holds 6
+    assert "metric_window=6" in str(e), str(e)  # the keyword that fits these queries
     raises("seqs[0]", call, seqs=[5])
     raises("query_slots[0]", call, query_slots=[3])
     raises("query_slots", call, query_slots=[0, 1])

@@ -126,7 +126,8 @@ struct cuda_per_head_metric {
             "is {}; must be a multiple of the cache's {} KV heads", q.num_q_heads, c.num_kv_heads);
     require(q.num_layers >= c.num_layers, "queries.num_layers", "is {}; the cache has {} layers", q.num_layers,
             c.num_layers);
-    require(q.window >= queries, "queries.window", "is {}; the metric reads the last {} queries of a slot", q.window,
+    require(q.window >= queries, "queries.window",
+            "is {}; the metric reads the last {} queries of a slot (presets::kv_compress::metric.window)", q.window,
             queries);
     // Rows are read four elements at a time (8 bytes of f16/bf16, 16 of f32).
     require(c.head_dim % 4 == 0, "cache.head_dim", "is {}; the GPU metric reads rows in fours", c.head_dim);

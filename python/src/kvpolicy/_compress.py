@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
@@ -229,6 +230,34 @@ def run(
 ) -> CompressResult:
     """``compress`` with the items as one int32 array [n, 5] of rows (seq, query_slot,
     budget, history_tokens, window_begin), host or device: what the torch op passes."""
+    with _naming_keywords():
+        return _run(policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens, return_masks,
+                    return_scores, stream, workspace, check)
+
+
+# The library names a missing view by its field (scores.base); a Python caller needs the
+# keyword that supplies it.
+_KEYWORD_FOR_FIELD = {
+    "scores.base": "pass scores=F, float32 [L, num_blocks, block_size, h_kv] beside the cache (zeros until a "
+    "sequence's first compression, then kept: the library updates it)",
+    "queries.base": "pass queries=, the observation queries [L, slots, window, h_q, d] (each sequence's last "
+    "window post-RoPE queries, in its query slot)",
+}
+
+
+@contextlib.contextmanager
+def _naming_keywords():
+    try:
+        yield
+    except Error as e:
+        hint = _KEYWORD_FOR_FIELD.get(e.field)
+        if hint is None:
+            raise
+        raise Error(f"{e}: {hint}", e.field) from None
+
+
+def _run(policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens, return_masks, return_scores,
+         stream, workspace, check) -> CompressResult:
     if cache.device is None:
         out = _core.host_compress(
             policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or 0, return_masks, return_scores
@@ -288,6 +317,8 @@ def workspace_bytes(
     if cache.device is None:
         return 0
     items = np.zeros((num_items, len(_ITEM_COLUMNS)), dtype=np.int32)
-    return _core.device_workspace_bytes(
-        policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or cache.max_tokens, return_masks
-    )
+    with _naming_keywords():
+        return _core.device_workspace_bytes(
+            policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or cache.max_tokens,
+            return_masks
+        )

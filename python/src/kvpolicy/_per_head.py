@@ -189,8 +189,12 @@ def compress_per_head(
     tables          int32 [layers, seqs, h_kv, max_blocks]: each head's block ids
     lengths         int32 [layers, seqs, h_kv]: tokens each head holds
     seqs            the sequences to compress: int or [n]
-    blocks_to_free  blocks each item frees: an int or [n] (budget "sequence"), or per
-                    layer [n, layers] (budget "layer"; an int or [layers] broadcast).
+    blocks_to_free  the most blocks each item frees: an int or [n] (budget "sequence"), or
+                    per layer [n, layers] (budget "layer"; an int or [layers] broadcast).
+                    No head frees a block holding a protected token (the last
+                    protected_window positions, the first sinks), so an item asked for
+                    more frees all it can (``r.freed[i]`` says how many), as KV-Compress
+                    does before a preemption.
                     None: from the policy's max_cache_tokens or compression_rate and
                     the lengths (read on the host: a device call copies them back, which
                     a CUDA graph capture cannot do).
