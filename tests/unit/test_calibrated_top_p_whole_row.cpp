@@ -325,7 +325,8 @@ TEST_CASE("whole row: agrees with an independent reference of the authors' rule 
                              std::to_string(got.count) + " (T " + std::to_string(got.T) + ")";
         }
       }
-      MESSAGE(std::string(name(k)) + (with_union ? ", top-k union" : ", no union"), ": counts agree in ", same_count, " of ", rows,
+      const std::string what = std::string(name(k)) + (with_union ? ", top-k union" : ", no union");
+      MESSAGE(what, ": counts agree in ", same_count, " of ", rows,
            " rows; searches converged ", converged, "; first difference: ", first_difference);
       CHECK(same_count >= rows * 99 / 100);
       CHECK(mask_differs == 0);
@@ -386,4 +387,36 @@ TEST_CASE("whole row: hard_kv's scores through the executors agree with the refe
   MESSAGE("executors: counts agree in ", same_count, " of ", rows, " rows");
   CHECK(same_count >= rows * 99 / 100);
   CHECK(mask_differs == 0);
+}
+
+TEST_CASE("whole row: each departure from the authors' numbers changes the counts") {
+  // Why the defaults are theirs: the unprotected-only rule (with its scaling and range),
+  // the division by the row's largest |s| alone, and t_max 10 alone each stop the search
+  // at other temperatures (or calibrate another distribution), so the counts differ from
+  // the reference's in many rows.
+  struct departure {
+    const char* what;
+    calibrated_top_p sel;
+  };
+  calibrated_top_p unprotected{.t_max = 10.0f, .union_top_k = false};
+  unprotected.scope = calibration_scope::unprotected_only;
+  unprotected.divide_by_row_max = true;
+  calibrated_top_p scaled{.union_top_k = false};
+  scaled.divide_by_row_max = true;
+  const departure departures[] = {{"unprotected only", unprotected},
+                                  {"divided by the row's largest |s|", scaled},
+                                  {"t_max 10", {.t_max = 10.0f, .union_top_k = false}}};
+  for (const departure& d : departures) {
+    rng g{12345};
+    int rows = 0, same_count = 0;
+    for (const kind k : {kind::peaked, kind::flat, kind::protected_mass, kind::logits})
+      for (int i = 0; i < 250; ++i, ++rows) {
+        const int N = 64 + g.below(540);
+        const authors_row r = random_row(g, k, N, 1, 32);
+        calibrated_top_p sel = d.sel;
+        same_count += authors_rule(r, {.budget = N, .union_top_k = false}).count == library_rule(sel, r, N).count;
+      }
+    MESSAGE(std::string(d.what), ": counts agree with the authors' rule in ", same_count, " of ", rows, " rows");
+    CHECK(same_count < rows * 9 / 10);
+  }
 }
