@@ -2,9 +2,11 @@
 // each computes strides and bases once, on the host (as FlashInfer's paged_kv_t).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/error.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -53,8 +55,10 @@ constexpr std::int64_t block_elems(const cache_shape& s) noexcept {
 }
 }  // namespace detail
 
-// vLLM flash-attention backend: per layer one tensor `[2, num_blocks, b, h_kv, d]`.
-// `layers[l]` is layer l's tensor (readable where the executor runs).
+// vLLM's flash-attention backend up to v0.22: per layer one tensor
+// `[2, num_blocks, b, h_kv, d]` (NHD; from v0.23 vLLM stores other shapes:
+// vllm_flash_blocks_first, then vllm below). `layers[l]` is layer l's tensor (readable
+// where the executor runs).
 constexpr paged_kv_view vllm_flash(void* const* layers, const cache_shape& s, const sequence_table& q) noexcept {
   paged_kv_view v = detail::make(s, q);
   v.k = {nullptr, 0, layers, 0};
@@ -63,7 +67,8 @@ constexpr paged_kv_view vllm_flash(void* const* layers, const cache_shape& s, co
   return v;
 }
 
-// vLLM with K and V interleaved per block: per layer `[num_blocks, 2, b, h_kv, d]`.
+// vLLM with K and V interleaved per block: per layer `[num_blocks, 2, b, h_kv, d]`
+// (FlashInfer's backend up to v0.25, flash-attention's in v0.23 to v0.25, both NHD).
 constexpr paged_kv_view vllm_flash_blocks_first(void* const* layers, const cache_shape& s,
                                                 const sequence_table& q) noexcept {
   paged_kv_view v = detail::make(s, q);
@@ -142,6 +147,91 @@ constexpr paged_kv_view trtllm_layers_first(void* const* layer_pools, const cach
   v.v = {nullptr, 0, layer_pools, blk};
   const kv_strides st{2 * blk, s.head_dim, std::int64_t{s.block_size} * s.head_dim, 1};
   v.k_stride = v.v_stride = st;
+  return v;
+}
+
+// vLLM from v0.26 (the layout refactor of its RFC #42082; read in v0.33.0,
+// vllm/v1/kv_cache_layout.py and kv_cache_interface.py). Every layer's cache is the
+// logical `[num_blocks, h_kv, b, C]` with `C = 2 d`: K and V of one (block, head,
+// token) side by side, K in `[0, d)`, V in `[d, 2 d)` (vLLM's attention backends split
+// it with `kv_cache.transpose(1, 2).split(head_size, -1)`). The layers of a KV cache
+// group share one allocation, and the physical order of the five axes
+// `[L, B, H, N, C]` (layer, block, head, token, content) is one of vLLM's
+// `KVCacheLayout` members, outermost axis first:
+enum class vllm_layout : std::uint8_t {
+  lbhnc,  // [L, B, H, N, C]: HND per layer (FlashInfer on SM100, VLLM_KV_CACHE_LAYOUT=HND)
+  lbnhc,  // [L, B, N, H, C]: NHD per layer, the default on CUDA (flash-attention, Triton)
+  lhbnc,  // [L, H, B, N, C]: heads outside blocks (ROCm backends)
+  blhnc,  // [B, L, H, N, C]: a block of every layer together (the offloading KV connector's)
+  blnhc,  // [B, L, N, H, C]
+  bhlnc,  // [B, H, L, N, C]
+};
+
+// Where one vLLM `KVCacheTensor` puts its layers, in bytes: layer `l`'s block `p`
+// starts at `l * layer_stride + p * block_stride` from the base. 0 means the dense
+// packing of the layout over `s.num_layers` layers (vLLM's own when no page is padded
+// and no other layer group shares the blocks); a padded page or a hybrid model's
+// shared blocks give other values, which vLLM's `KVCacheTensor.layer_stride` and
+// `.block_stride` hold.
+struct vllm_placement {
+  std::int64_t layer_stride = 0;
+  std::int64_t block_stride = 0;
+};
+
+namespace detail {
+// Element strides of the logical axes [L, B, H, N, C] of a vLLM layout, as vLLM's
+// compute_layout_strides: the innermost axis of `order` has stride 1, each axis
+// outside it the extent of the one inside, unless the placement fixes L's or B's.
+inline std::array<std::int64_t, 5> vllm_strides(vllm_layout order, const cache_shape& s, std::int64_t layer_stride,
+                                                std::int64_t block_stride) {
+  // Physical order of each layout, outermost first, as indices of [L, B, H, N, C].
+  constexpr std::array<std::array<int, 5>, 6> orders{{{0, 1, 2, 3, 4},
+                                                      {0, 1, 3, 2, 4},
+                                                      {0, 2, 1, 3, 4},
+                                                      {1, 0, 2, 3, 4},
+                                                      {1, 0, 3, 2, 4},
+                                                      {1, 2, 0, 3, 4}}};
+  const auto which = static_cast<std::size_t>(order);
+  require(which < orders.size(), "layout", "is {}; not a vllm_layout", static_cast<int>(which));
+  const std::array<std::int64_t, 5> size{s.num_layers, s.num_blocks, s.num_kv_heads, s.block_size,
+                                         2 * std::int64_t{s.head_dim}};
+  const std::array<std::int64_t, 5> fixed{layer_stride, block_stride, 0, 0, 0};
+  std::array<std::int64_t, 5> stride{};
+  std::int64_t extent = 1;
+  for (int i = 4; i >= 0; --i) {
+    const int axis = orders[which][static_cast<std::size_t>(i)];
+    stride[axis] = fixed[axis] != 0 ? fixed[axis] : extent;
+    extent = stride[axis] * size[axis];
+  }
+  return stride;
+}
+
+// Bytes to elements of type t, refusing a negative or misaligned step.
+inline std::int64_t vllm_placement_elems(std::int64_t bytes, dtype t, const char* field) {
+  const std::int64_t e = size_of(t);
+  require(bytes >= 0 && bytes % e == 0, field, "is {} bytes; must be a non-negative multiple of the {}-byte {} element",
+          bytes, e, name_of(t));
+  return bytes / e;
+}
+}  // namespace detail
+
+// `base` is where the tensor's layer 0, block 0 starts (vLLM's backing allocation plus
+// `KVCacheTensor.offset`; the per-layer view of the first layer, `kv_caches[name]`,
+// starts there too), readable where the executor runs. Shapes count in vLLM's blocks
+// as the layers see them: where vLLM splits its blocks into smaller kernel blocks
+// (`kernel_block_size`), the view it binds to the layers and the block table its
+// kernels read (`map_to_kernel_block_table`) count kernel blocks, and so must `s` and
+// `q`. K and V must have one head size (`head_size_v == head_size`). Throws kvp::error
+// for a placement that is not whole elements.
+inline paged_kv_view vllm(void* base, vllm_layout order, const cache_shape& s, const sequence_table& q,
+                          vllm_placement placement = {}) {
+  const std::int64_t layer = detail::vllm_placement_elems(placement.layer_stride, s.type, "placement.layer_stride");
+  const std::int64_t block = detail::vllm_placement_elems(placement.block_stride, s.type, "placement.block_stride");
+  const std::array<std::int64_t, 5> st = detail::vllm_strides(order, s, layer, block);
+  paged_kv_view v = detail::make(s, q);
+  v.k = {base, st[0], nullptr, 0};
+  v.v = {base, st[0], nullptr, std::int64_t{s.head_dim} * st[4]};
+  v.k_stride = v.v_stride = kv_strides{st[1], st[3], st[2], st[4]};
   return v;
 }
 
