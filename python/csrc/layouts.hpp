@@ -9,7 +9,8 @@
 
 namespace kvpy {
 
-// Axis letters: L layer, 2 K-or-V, B block, T token in block, H KV head, D head dim.
+// Axis letters: L layer, 2 K-or-V, B block, T token in block, H KV head, D head dim,
+// C K and V side by side (2 * head dim: K's d elements, then V's; vLLM from v0.26).
 struct layout_spec {
   std::string_view name;
   bool split_kv;   // K and V are separate tensors (arguments k and v), else one (kv)
@@ -19,8 +20,12 @@ struct layout_spec {
 };
 
 inline constexpr layout_spec layout_specs[] = {
-    {"vllm_flash", false, true, "2BTHD", "vLLM flash-attention backend: per layer [2, num_blocks, b, h_kv, d]"},
-    {"vllm_flash_blocks_first", false, true, "B2THD", "vLLM, K and V per block: per layer [num_blocks, 2, b, h_kv, d]"},
+    {"vllm", false, true, "BHTC",
+     "vLLM from v0.26: per layer [num_blocks, h_kv, b, 2 * d], K then V in the last axis, in any of its memory "
+     "orders (the layer views its allocator hands out)"},
+    {"vllm_flash", false, true, "2BTHD", "vLLM flash-attention backend to v0.22: per layer [2, num_blocks, b, h_kv, d]"},
+    {"vllm_flash_blocks_first", false, true, "B2THD",
+     "vLLM v0.23 to v0.25, K and V per block: per layer [num_blocks, 2, b, h_kv, d]"},
     {"nhd", true, true, "BTHD", "FlashInfer NHD: per layer K and V [num_blocks, b, h_kv, d]"},
     {"hnd", true, true, "BHTD", "FlashInfer HND: per layer K and V [num_blocks, h_kv, b, d]"},
     {"nano_vllm", false, false, "2LBTHD", "nano-vllm: one tensor [2, L, num_blocks, b, h_kv, d]"},

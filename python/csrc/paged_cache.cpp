@@ -151,7 +151,12 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
   const tensor_group& K = *kg;
   const std::string module = nb::cast<std::string>(nb::handle(K.first.type()).attr("__module__"));
   c.framework = module.substr(0, module.find('.'));
-  if (!spec.split_kv) {
+  // K and V side by side along one axis (C): V starts head_dim elements along it.
+  const bool packed = axes.find('C') != std::string::npos;
+  if (packed) {
+    require(K.size('C', axes) % 2 == 0, K.field, "has {} elements on its K|V axis; expected 2 * head_dim ({})",
+            K.size('C', axes), spec.engine);
+  } else if (!spec.split_kv) {
     require(K.size('2', axes) == 2, K.field, "has {} entries on its K/V axis; expected 2 ({})", K.size('2', axes),
             spec.engine);
   }
@@ -159,7 +164,7 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
   d.shape.num_blocks = to_int32(K.size('B', axes), K.field, "block count");
   d.shape.block_size = to_int32(K.size('T', axes), K.field, "block size");
   d.shape.num_kv_heads = to_int32(K.size('H', axes), K.field, "KV head count");
-  d.shape.head_dim = to_int32(K.size('D', axes), K.field, "head dim");
+  d.shape.head_dim = to_int32(packed ? K.size('C', axes) / 2 : K.size('D', axes), K.field, "head dim");
   d.shape.type = K.type;
   d.on_device = K.where.device;
   d.device_id = K.where.id;
@@ -176,7 +181,8 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
   const auto strides_of_group = [&](const tensor_group& g) {
     const bool has_token = axes.find('T') != std::string::npos;
     const std::int64_t b = d.shape.block_size, h = d.shape.num_kv_heads, hd = d.shape.head_dim;
-    kvp::kv_strides s{g.stride('B', axes), has_token ? g.stride('T', axes) : 0, g.stride('H', axes), g.stride('D', axes)};
+    kvp::kv_strides s{g.stride('B', axes), has_token ? g.stride('T', axes) : 0, g.stride('H', axes),
+                      g.stride(packed ? 'C' : 'D', axes)};
     if (hd == 1) s.dim = 1;
     if (b == 1) s.token = std::max(hd, s.head * h);
     if (h == 1) s.head = std::max(hd, s.token * b);
@@ -187,8 +193,9 @@ paged_cache make_cache(const std::string& layout, nb::handle kv, nb::handle k, n
   d.v_stride = strides_of_group(spec.split_kv ? *vg : K);
   for (std::size_t l = 0; l < K.layers.size(); ++l) {
     d.k_layers.push_back(K.layers[l]);
+    const std::int64_t v_offset = packed ? d.shape.head_dim * K.stride('C', axes) : K.stride('2', axes);
     d.v_layers.push_back(spec.split_kv ? static_cast<void*>(vg->layers[l])
-                                       : K.layers[l] + K.stride('2', axes) * kvp::size_of(K.type));
+                                       : K.layers[l] + v_offset * kvp::size_of(K.type));
   }
 
   // The block table: dense [num_seqs, max_blocks] or CSR (indptr, indices).

@@ -51,7 +51,10 @@ class PagedCase:
                 assert self.block_size == 1
                 x = x.squeeze(src_axes.index("T"))
                 src_axes = src_axes.replace("T", "")
-            x = np.ascontiguousarray(x.transpose([src_axes.index(a) for a in full]))
+            x = np.ascontiguousarray(x.transpose([src_axes.index(a) for a in full.replace("C", "2D")]))
+            if "C" in full:  # K and V side by side (vLLM): merge the K/V axis and the head dim
+                c = full.index("C")
+                x = x.reshape(x.shape[:c] + (-1,) + x.shape[c + 2 :])
             return x if stacked or not per_layer else [x[l].copy() for l in range(x.shape[0])]
 
         if split:
@@ -66,6 +69,10 @@ class PagedCase:
         def back(x, dst_axes: str):
             x = np.stack(x) if isinstance(x, list) else x
             src = full
+            if "C" in full:  # split K|V back into the K/V axis and the head dim
+                c = full.index("C")
+                x = x.reshape(x.shape[:c] + (2, -1) + x.shape[c + 1 :])
+                src = full.replace("C", "2D")
             if "T" not in full:
                 x = np.expand_dims(x, -2)  # T sits before D in the canonical order
                 src = full[:-1] + "TD"

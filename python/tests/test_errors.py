@@ -103,7 +103,7 @@ def test_cache_construction_errors(case):
     kv = case.tensors("nano_vllm")["kv"]
     table, lengths = case.block_table, case.lengths
     P = kvpolicy.PagedCache
-    raises("layout", P, "vllm", kv, block_table=table, lengths=lengths)
+    raises("layout", P, "vllm_v0", kv, block_table=table, lengths=lengths)
     raises("kv", P, "nano_vllm", kv.astype(np.int16), block_table=table, lengths=lengths)
     raises("kv", P, "nano_vllm", kv[0], block_table=table, lengths=lengths)
     raises("kv", P, "nano_vllm", kv[:1], block_table=table, lengths=lengths)  # one entry on the K/V axis

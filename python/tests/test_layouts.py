@@ -18,6 +18,7 @@ def expected_view(layout, L, NB, b, h, d):
     E = b * h * d
     nhd, hnd = (E, h * d, d, 1), (E, d, b * d, 1)
     return {
+        "vllm": ((2 * E, 2 * d, b * 2 * d, 1), lambda l: 0, lambda l: d),
         "vllm_flash": (nhd, lambda l: 0, lambda l: NB * E),
         "vllm_flash_blocks_first": ((2 * E, h * d, d, 1), lambda l: 0, lambda l: E),
         "nhd": (nhd, lambda l: 0, lambda l: 0),
@@ -125,3 +126,85 @@ def test_one_kv_head_with_arbitrary_size_one_strides():
     assert cache.describe()["k_stride"][2] >= cache.head_dim
     r = kvpolicy.compress(kvpolicy.SnapKV(window=8), cache, seqs=[0], budgets=20, queries=case.queries)
     assert r.new_lengths.tolist() == [20]
+
+
+# vLLM from v0.26 (vllm/v1/kv_cache_layout.py, read in v0.33.0): one allocation for a
+# group's layers, the axes [L, B, H, N, C] (C = K then V) in one of six memory orders,
+# each layer handed out as a strided [B, H, N, C] view of it (create_kv_cache_views).
+VLLM_ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+def vllm_layer_views(case, order, pad=0):
+    """The case's cache laid out as vLLM lays out `order`, and its per-layer logical views
+    as vLLM's allocator makes them; `pad` elements pad each page where vLLM pads them
+    (compute_layout_strides: the stride of the second axis of a block-compact order)."""
+    kv = case.kv  # [2, L, NB, b, h, d]
+    _, L, NB, b, h, d = kv.shape
+    logical = np.ascontiguousarray(kv.transpose(1, 2, 4, 3, 0, 5)).reshape(L, NB, h, b, 2 * d)  # [L, B, H, N, C]
+    sizes = dict(zip("LBHNC", logical.shape))
+    strides, extent = {}, 1
+    for axis in reversed(order):  # row-major over the physical order, innermost first
+        if axis == order[1] and order[:2] in ("LB", "BL"):
+            extent += pad  # a padded page: the step after the page's own [H, N, C]
+        strides[axis] = extent
+        extent *= sizes[axis]
+    raw = np.zeros(extent + pad, dtype=kv.dtype)
+    item = raw.itemsize
+    view = np.lib.stride_tricks.as_strided(raw, shape=logical.shape,
+                                           strides=[strides[a] * item for a in "LBHNC"], writeable=True)
+    view[...] = logical
+    return raw, [view[l] for l in range(L)]
+
+
+def element_offsets(raw, x):
+    """The index into `raw` of every element of its view `x`."""
+    start = (x.ctypes.data - raw.ctypes.data) // raw.itemsize
+    steps = [stride // raw.itemsize for stride in x.strides]
+    return start + sum(np.meshgrid(*[np.arange(n) * st for n, st in zip(x.shape, steps)], indexing="ij"))
+
+
+@pytest.mark.parametrize("order", VLLM_ORDERS)
+@pytest.mark.parametrize("pad", [0, 8])
+def test_vllm_memory_orders_are_read_in_place(order, pad):
+    if pad and order[:2] not in ("LB", "BL"):
+        pytest.skip("vLLM pads only block-compact pages")
+    case = make_case(kv_heads=3, q_heads=6, lengths=(40, 0, 33), window=8, seed=15)
+    raw, layers = vllm_layer_views(case, order, pad)
+    if order != "LBHNC" or pad:
+        assert not layers[0].flags.c_contiguous  # read through the strides, no copy
+    cache = kvpolicy.PagedCache("vllm", layers, block_table=case.block_table, lengths=case.lengths)
+    view = cache.describe()
+    d = case.kv.shape[-1]
+    assert view["v_layers"][0] - view["k_layers"][0] == d * raw.itemsize
+    assert view["k_layers"][1] - view["k_layers"][0] == layers[1].ctypes.data - layers[0].ctypes.data
+    p = kvpolicy.SnapKV(window=8)
+    if order == "LHBNC":
+        # Heads outside blocks (vLLM's ROCm backends): a block's rows interleave with
+        # the next block's, which the executors' overlap check does not accept yet.
+        with pytest.raises(kvpolicy.Error, match="k_stride"):
+            kvpolicy.compress(p, cache, seqs=[0, 2], budgets=[24, 16], queries=case.queries)
+        return
+    before = raw.copy()
+    r = kvpolicy.compress(p, cache, seqs=[0, 2], budgets=[24, 16], queries=case.queries, return_masks=True)
+    # The same compression over a contiguous nano-vllm copy of the same tokens.
+    nano_args = case.tensors("nano_vllm")
+    ref = kvpolicy.compress(p, kvpolicy.PagedCache("nano_vllm", **nano_args, block_table=case.block_table,
+                                                   lengths=case.lengths),
+                            seqs=[0, 2], budgets=[24, 16], queries=case.queries, return_masks=True)
+    np.testing.assert_array_equal(r.keep_masks, ref.keep_masks)
+    np.testing.assert_array_equal(r.new_lengths, ref.new_lengths)
+    np.testing.assert_array_equal(r.released_blocks, ref.released_blocks)
+    np.testing.assert_array_equal(case.canonical("vllm", {"kv": layers}), case.canonical("nano_vllm", nano_args))
+    if pad:  # the padding after each page is never written
+        written = np.zeros(raw.shape, dtype=bool)
+        for x in layers:
+            written[element_offsets(raw, x)] = True
+        assert not written.all()
+        np.testing.assert_array_equal(raw[~written], before[~written])
+
+
+def test_vllm_odd_content_axis_is_refused():
+    case = make_case(lengths=(8,), window=4)
+    layers = [np.zeros((6, 2, 4, 31), dtype=np.float32) for _ in range(2)]
+    with pytest.raises(kvpolicy.Error, match=r"kv: has 31 elements on its K\|V axis"):
+        kvpolicy.PagedCache("vllm", layers, block_table=case.block_table, lengths=case.lengths)
