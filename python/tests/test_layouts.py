@@ -208,3 +208,40 @@ def test_vllm_odd_content_axis_is_refused():
     layers = [np.zeros((6, 2, 4, 31), dtype=np.float32) for _ in range(2)]
     with pytest.raises(kvpolicy.Error, match=r"kv: has 31 elements on its K\|V axis"):
         kvpolicy.PagedCache("vllm", layers, block_table=case.block_table, lengths=case.lengths)
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_sglang_paged_pool_is_read_in_place(hnd):
+    # SGLang v0.5.23's MHATokenToKVPool with page size p: per layer K and V halves of one
+    # [2, rows, h, d] tensor (rows = pool size + p, token slots), or [pages, h, p, d]
+    # under SGLANG_USE_HND_KVCACHE; req_to_token holds each request's slots, whole pages
+    # of p consecutive slots; SGLang's paged backends read the page table
+    # req_to_token[:, ::p] // p. PagedCache reads the pool through page views of it.
+    p = 4
+    case = make_case(block_size=p, lengths=(40, 0, 33), window=8, seed=16)
+    kv = case.kv  # [2, L, NB, p, h, d]
+    _, L, NB, _, h, d = kv.shape
+    if hnd:
+        fused = [np.ascontiguousarray(kv[:, l].transpose(0, 1, 3, 2, 4)) for l in range(L)]  # [2, NB, h, p, d]
+        k, v = [f[0] for f in fused], [f[1] for f in fused]
+    else:
+        fused = [np.ascontiguousarray(kv[:, l].reshape(2, NB * p, h, d)) for l in range(L)]  # slots
+        k = [f[0].reshape(NB, p, h, d) for f in fused]
+        v = [f[1].reshape(NB, p, h, d) for f in fused]
+    assert all(np.shares_memory(x, f) for x, f in zip(k, fused))
+    max_len = case.block_table.shape[1] * p
+    t = np.arange(max_len)
+    req_to_token = (case.block_table[:, t // p] * p + t % p).astype(np.int32)
+    page_table = np.ascontiguousarray(req_to_token[:, ::p] // p)
+    cache = kvpolicy.PagedCache("hnd" if hnd else "nhd", k=k, v=v, block_table=page_table, lengths=case.lengths)
+    policy = kvpolicy.SnapKV(window=8)
+    r = kvpolicy.compress(policy, cache, seqs=[0, 2], budgets=[24, 16], queries=case.queries, return_masks=True)
+    nano_args = case.tensors("nano_vllm")
+    ref = kvpolicy.compress(policy, kvpolicy.PagedCache("nano_vllm", **nano_args, block_table=case.block_table,
+                                                        lengths=case.lengths),
+                            seqs=[0, 2], budgets=[24, 16], queries=case.queries, return_masks=True)
+    np.testing.assert_array_equal(r.keep_masks, ref.keep_masks)
+    np.testing.assert_array_equal(r.released_blocks, ref.released_blocks)
+    back = np.stack([f.reshape(2, NB, h, p, d).transpose(0, 1, 3, 2, 4) if hnd else f.reshape(2, NB, p, h, d)
+                     for f in fused], axis=1)  # [2, L, NB, p, h, d]
+    np.testing.assert_array_equal(back, case.canonical("nano_vllm", nano_args))
