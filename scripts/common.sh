@@ -34,6 +34,11 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNAL
   local pip=("$python" -m pip install --quiet --disable-pip-version-check)
   if [[ $(id -u) -eq 0 ]]; then pip+=(--root-user-action=ignore); fi
   "${pip[@]}" pytest numpy
+  # PyTorch and transformers for the transformers adapter's tests (python/tests/test_transformers_adapter.py,
+  # a tiny model on the CPU) and the torch op's: PyPI's torch wheel brings its CUDA libraries (about
+  # 90 s and 4.6 GB on a fresh venv; --no-deps does not import without them); transformers is the
+  # release the adapter is tested with, psutil its CPU memory query.
+  "${pip[@]}" torch==2.11.0 transformers==5.17.0 psutil
   CMAKE_BUILD_PARALLEL_LEVEL=$(kvp_jobs) "${pip[@]}" ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
   "$python" -m pytest python/tests -q
   # The fidelity harness's own tests (tools/fidelity/tests, seconds): the model's GGUF
