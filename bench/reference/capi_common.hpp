@@ -190,6 +190,52 @@ auto with_policy(const kvp_capi_shape& s, Fn&& fn) {
   return fn(kvp::presets::zipage{});
 }
 
+// hard_kv's calibration options as kvp_capi.h spells them.
+inline kvp_capi_calibration calibration_defaults() {
+  const kvp::select::calibrated_top_p d = kvp::presets::hard_kv{}.select;
+  return {d.p,          d.tolerance, d.t_min,         d.t_max,
+          static_cast<std::int32_t>(d.search), d.iterations, d.steps, d.learning_rate,
+          d.t_start,    d.upper,     d.lower,         d.union_top_k ? 1 : 0,
+          static_cast<std::int32_t>(d.scope),  d.divide_by_row_max ? 1 : 0};
+}
+
+// The selector the options name; the enums and flags checked here (the selector's
+// validate checks the rest, naming pipeline.select.<field>).
+inline kvp::select::calibrated_top_p calibrated_of(const kvp_capi_calibration& c) {
+  kvp::require(c.search == 0 || c.search == 1, "calibration.search", "is {}; 0 bisection, 1 first order", c.search);
+  kvp::require(c.scope == 0 || c.scope == 1, "calibration.scope", "is {}; 0 whole row, 1 unprotected only", c.scope);
+  kvp::require(c.union_top_k == 0 || c.union_top_k == 1, "calibration.union_top_k", "is {}; 0 or 1", c.union_top_k);
+  kvp::require(c.divide_by_row_max == 0 || c.divide_by_row_max == 1, "calibration.divide_by_row_max",
+               "is {}; 0 or 1", c.divide_by_row_max);
+  kvp::select::calibrated_top_p sel = kvp::presets::hard_kv{}.select;
+  sel.p = c.p;
+  sel.tolerance = c.tolerance;
+  sel.t_min = c.t_min;
+  sel.t_max = c.t_max;
+  sel.search = static_cast<kvp::select::temperature_search>(c.search);
+  sel.iterations = c.iterations;
+  sel.steps = c.steps;
+  sel.learning_rate = c.learning_rate;
+  sel.t_start = c.t_start;
+  sel.upper = c.upper;
+  sel.lower = c.lower;
+  sel.union_top_k = c.union_top_k != 0;
+  sel.scope = static_cast<kvp::select::calibration_scope>(c.scope);
+  sel.divide_by_row_max = c.divide_by_row_max != 0;
+  return sel;
+}
+
+// with_policy, hard_kv's selector set from `calibration` where one is given.
+template <class Fn>
+auto with_policy(const kvp_capi_shape& s, const kvp_capi_calibration* calibration, Fn&& fn) {
+  if (calibration == nullptr) return with_policy(s, fn);
+  kvp::require(s.policy == KVP_CAPI_HARD_KV, "calibration", "is given with shape.policy {}; only KVP_CAPI_HARD_KV (2) reads it",
+               s.policy);
+  kvp::presets::hard_kv p;
+  p.select = calibrated_of(*calibration);
+  return fn(p);
+}
+
 // Runs fn (returning 0 or an error code) and turns exceptions into codes + last_error.
 template <class Fn>
 int guarded(Fn&& fn) {

@@ -4,15 +4,19 @@
 What a user writes today without a fused library, vectorised over the (sequence,
 layer, KV head) rows: gather the paged keys, window attention with the group's max
 logit (w 8, causal inside the window), softmax, window mean (the raw scores), max pool
-7, protect (window 32, one sink), then calibrated top-p (SPEC.md "Calibrated top-p";
-include/kvpolicy/select/calibrated_top_p.hpp is the law): n_p from the raw scores'
-top-p mass, scores scaled by the row's largest |s|, a bisection on T in [1e-3, 10]
-(bounds checked first, at most 30 halvings, stopping rows that reach tolerance 1e-2),
-the count from the calibrated top-p, capped at 2048; then each row compacts its own
-count of tokens to the front, in order, and the sequence keeps the largest count.
+7, protect (window 32, one sink), then calibrated top-p as Hard-KV's authors compute it
+(SPEC.md "Calibrated top-p"; include/kvpolicy/select/calibrated_top_p.hpp is the law):
+n_p from the raw scores' top-p mass over the whole row (sinks and window included, not
+renormalised), the pooled scores as they are (the protected tokens' own) in one softmax
+over the whole row, a bisection on T in [1e-3, 1] (bounds checked first, at most 30
+halvings, stopping rows that reach tolerance 1e-2), the calibrated top-p set union the
+top (budget - protected) by score, union the protected tokens, capped at 2048; then
+each row compacts its own count of tokens to the front, in order, and the sequence
+keeps the largest count.
 
 The temperatures are solved at every call, as kvpolicy does without a state view:
-the calibration's worst case, the first compression of a request.
+the calibration's worst case, the first compression of a request. kvpolicy is called
+through kvp_capi_compress_calibrated with kvp_capi_calibration_defaults' options.
 
 Inputs, timing and the C API are those of zipage_reference.py (imported from beside
 this file). Checks: kept counts per row, keep masks (mismatches counted; the two
@@ -28,6 +32,7 @@ mass lies within rounding of its target), new lengths.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -48,10 +53,51 @@ PROTECT_WINDOW = 32
 SINKS = 1
 P = 0.9
 TOLERANCE = 1e-2
-T_MIN, T_MAX = 1e-3, 10.0
+T_MIN, T_MAX = 1e-3, 1.0
 ITERATIONS = 30
 UPPER = 2048
 KVP_CAPI_HARD_KV = 2
+
+
+class KvpCalibration(ctypes.Structure):
+    """kvp_capi_calibration (kvp_capi.h), field for field."""
+    _fields_ = [("p", ctypes.c_float), ("tolerance", ctypes.c_float), ("t_min", ctypes.c_float),
+                ("t_max", ctypes.c_float), ("search", ctypes.c_int32), ("iterations", ctypes.c_int32),
+                ("steps", ctypes.c_int32), ("learning_rate", ctypes.c_float), ("t_start", ctypes.c_float),
+                ("upper", ctypes.c_int32), ("lower", ctypes.c_int32), ("union_top_k", ctypes.c_int32),
+                ("scope", ctypes.c_int32), ("divide_by_row_max", ctypes.c_int32)]
+
+
+def calibration_defaults(kvp) -> KvpCalibration:
+    """hard_kv's options from the library, checked against this file's constants."""
+    lib = kvp.lib
+    lib.kvp_capi_calibration_size.restype = ctypes.c_int
+    if lib.kvp_capi_calibration_size() != ctypes.sizeof(KvpCalibration):
+        raise RuntimeError(f"struct calibration is {lib.kvp_capi_calibration_size()} bytes, KvpCalibration "
+                           f"{ctypes.sizeof(KvpCalibration)}: rebuild kvp_capi")
+    lib.kvp_capi_calibration_defaults.argtypes = [ctypes.POINTER(KvpCalibration)]
+    c = KvpCalibration()
+    kvp._ok(lib.kvp_capi_calibration_defaults(ctypes.byref(c)), "kvp_capi_calibration_defaults")
+    want = {"p": P, "tolerance": TOLERANCE, "t_min": T_MIN, "t_max": T_MAX, "search": 0, "iterations": ITERATIONS,
+            "upper": UPPER, "lower": 0, "union_top_k": 1, "scope": 0, "divide_by_row_max": 0}
+    got = {k: getattr(c, k) for k in want}
+    if any(abs(got[k] - v) > 1e-6 * max(1.0, abs(v)) for k, v in want.items()):
+        raise RuntimeError(f"kvp_capi_calibration_defaults {got} differ from this reference's {want}")
+    return c
+
+
+def compress_calibrated(kvp, calib, shape, kv, q, f, table, lengths, items, ws, keep=None, scores=None):
+    """kvp_capi_compress_calibrated (Kvpolicy.compress with the calibration options)."""
+    vp = ctypes.c_void_p
+    fn = kvp.lib.kvp_capi_compress_calibrated
+    fn.argtypes = [ctypes.POINTER(type(shape)), ctypes.POINTER(KvpCalibration), vp, vp, vp, vp, vp, vp, vp,
+                   ctypes.c_size_t, vp, vp, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    rc = fn(ctypes.byref(shape), ctypes.byref(calib), kv.data_ptr(), q.data_ptr(), f.data_ptr(), table.data_ptr(),
+            lengths.data_ptr(), items.data_ptr(), ws.data_ptr(), ws.numel(),
+            keep.data_ptr() if keep is not None else None, scores.data_ptr() if scores is not None else None,
+            kvp._stream())
+    kvp._ok(rc, "kvp_capi_compress_calibrated")
 
 
 def order_key(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -71,8 +117,9 @@ def fewest_reaching(key: torch.Tensor, weight: torch.Tensor, mass: torch.Tensor)
     return torch.where(mass > 0, first + 1, torch.zeros_like(first))
 
 
-def hard_kv_reference(kv, q, table, seq_ids, slot_ids, T, want_outputs=False):
-    """Compresses, in place, every layer and KV head of `seq_ids`; returns the new lengths."""
+def hard_kv_reference(kv, q, table, seq_ids, slot_ids, budgets, T, want_outputs=False):
+    """Compresses, in place, every layer and KV head of `seq_ids` (each item's budget in
+    `budgets`, for the top-k union); returns the new lengths."""
     dev = kv.device
     _, L, _, b, H, d = kv.shape
     Hq = q.shape[3]
@@ -92,25 +139,20 @@ def hard_kv_reference(kv, q, table, seq_ids, slot_ids, T, want_outputs=False):
     # 2. Group max of the logits, one softmax per window query, window mean: the raw scores.
     raw = torch.softmax(z.amax(dim=3), dim=-1).mean(dim=3)  # [I, L, H, T]
     # 3. Max pool 7 (clipped windows), then protect.
-    s = F.max_pool1d(raw.view(-1, 1, T), POOL_KERNEL, stride=1, padding=POOL_KERNEL // 2).view(I, L, H, T)
+    pooled = F.max_pool1d(raw.view(-1, 1, T), POOL_KERNEL, stride=1, padding=POOL_KERNEL // 2).view(I, L, H, T)
     protected = (pos >= T - PROTECT_WINDOW) | (pos < SINKS)
-    s = s.masked_fill(protected, float("inf"))
+    s = pooled.masked_fill(protected, float("inf"))
     must = int(protected.sum())
-    sel = ~protected.view(1, 1, 1, T).expand_as(s)  # selectable: finite scores (none are NaN here)
 
-    # 4. Calibrated top-p. n_p from the raw scores of the selectable tokens.
+    # 4. Calibrated top-p over the whole row: n_p from the raw scores of every token,
+    # the calibrated softmax over every token's pooled score (the protected ones' own).
     pos64 = pos.view(1, 1, 1, T).expand_as(s)
-    ninf = torch.tensor(float("-inf"), device=dev)
-    raw_w = torch.where(sel, raw.clamp_min(0), torch.zeros_like(raw))
-    n_p = fewest_reaching(order_key(torch.where(sel, raw, ninf), pos64), raw_w, P * raw_w.sum(-1))
-    score_key = order_key(torch.where(sel, s, ninf), pos64)
-    rank = torch.argsort(torch.argsort(score_key, dim=-1, descending=True), dim=-1)  # 0 = best selectable
+    raw_w = raw.clamp_min(0)
+    n_p = fewest_reaching(order_key(raw, pos64), raw_w, P * raw_w.sum(-1))
+    value_key = order_key(pooled, pos64)
+    rank = torch.argsort(torch.argsort(value_key, dim=-1, descending=True), dim=-1)  # 0 = the largest score
     in_cut = rank < n_p.unsqueeze(-1)
-    s_sel = torch.where(sel, s, ninf)
-    top = s_sel.amax(-1, keepdim=True)
-    scale = torch.where(sel, s.abs(), torch.zeros_like(s)).amax(-1, keepdim=True)
-    unit = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
-    x = torch.where(sel, (s - top) * unit, ninf)  # (s - max) / scale; -inf outside the selectable
+    x = pooled - pooled.amax(-1, keepdim=True)  # (s - max); T divides the scores as they are
 
     def mass(T_):
         e = torch.exp(x / T_.unsqueeze(-1))
@@ -120,7 +162,6 @@ def hard_kv_reference(kv, q, table, seq_ids, slot_ids, T, want_outputs=False):
     lo = torch.full(shape, T_MIN, device=dev)
     hi = torch.full(shape, T_MAX, device=dev)
     temp = torch.zeros(shape, device=dev)
-    done = torch.zeros(shape, dtype=torch.bool, device=dev)
     m_hi, m_lo = mass(hi), mass(lo)
     upper_hit = m_hi > P + TOLERANCE
     lower_hit = ~upper_hit & (m_lo < P - TOLERANCE)
@@ -137,8 +178,12 @@ def hard_kv_reference(kv, q, table, seq_ids, slot_ids, T, want_outputs=False):
         hi = torch.where(~done & (m <= P), mid, hi)
     temp = torch.where(done, temp, mid)
     e = torch.exp(x / temp.unsqueeze(-1))
-    selected = fewest_reaching(score_key, e, P * e.sum(-1))
-    selected = torch.minimum(selected, (sel.sum(-1)))
+    top_p = fewest_reaching(value_key, e, P * e.sum(-1))
+    # The union with the top (budget - protected) by score, over the whole row as the
+    # top-p set; the protected tokens among either are counted once.
+    k = (budgets.view(I, 1, 1).to(top_p.dtype) - must).clamp(min=0)
+    m_kept = torch.minimum(torch.maximum(top_p, k), torch.full_like(top_p, T))
+    selected = ((rank < m_kept.unsqueeze(-1)) & ~protected).sum(-1)
     count = (must + selected).clamp(max=UPPER)  # [I, L, H]
 
     # 5. Keep the top `count` of each row by the final scores (protected first); compact
@@ -173,14 +218,16 @@ def compare(cfg, inp, kvp) -> dict:
     I, L, H, T = cfg.seqs, cfg.layers, cfg.kv_heads, cfg.tokens
     seq_ids, slot_ids = inp.items[:, 0].long(), inp.items[:, 1].long()
     kv_ref = inp.kv.clone()
-    keep_ref, count_ref, len_ref = hard_kv_reference(kv_ref, inp.q, inp.table, seq_ids, slot_ids, T, True)
+    budgets = inp.items[:, 2].long()
+    keep_ref, count_ref, len_ref = hard_kv_reference(kv_ref, inp.q, inp.table, seq_ids, slot_ids, budgets, T, True)
 
     kv_kvp, f_kvp = inp.kv.clone(), inp.f.clone()
     shape = kvp.shape(cfg, inp, KVP_CAPI_HARD_KV)
     ws = kvp.workspace(shape, dev)
     keep_kvp = torch.zeros(I, L, H, T, dtype=torch.uint8, device=dev)
     s_kvp = torch.zeros(I, L, H, T, dtype=torch.float32, device=dev)
-    kvp.compress(shape, kv_kvp, inp.q, f_kvp, inp.table, inp.lengths, inp.items, ws, keep_kvp, s_kvp)
+    compress_calibrated(kvp, calibration_defaults(kvp), shape, kv_kvp, inp.q, f_kvp, inp.table, inp.lengths,
+                        inp.items, ws, keep_kvp, s_kvp)
     kvp.check_status(shape, ws)
     new_lengths = kvp.new_lengths(shape, ws)
     count_kvp = keep_kvp.sum(-1)
@@ -228,14 +275,17 @@ def measure(cfg, inp, kvp, warmup, iters) -> dict:
 
     seq_ids, slot_ids = inp.items[:, 0].long(), inp.items[:, 1].long()
 
+    budgets = inp.items[:, 2].long()
+
     def reference():
-        hard_kv_reference(kv, inp.q, inp.table, seq_ids, slot_ids, cfg.tokens)
+        hard_kv_reference(kv, inp.q, inp.table, seq_ids, slot_ids, budgets, cfg.tokens)
 
     shape = kvp.shape(cfg, inp, KVP_CAPI_HARD_KV)
     ws = kvp.workspace(shape, dev)
+    calib = calibration_defaults(kvp)
 
     def kvpolicy():
-        kvp.compress(shape, kv, inp.q, f, inp.table, inp.lengths, inp.items, ws)
+        compress_calibrated(kvp, calib, shape, kv, inp.q, f, inp.table, inp.lengths, inp.items, ws)
 
     ref_ms = zr.time_runs(reference, restore, warmup, iters, dev)
     kvp_ms = zr.time_runs(kvpolicy, restore, warmup, iters, dev)
@@ -283,7 +333,7 @@ def main(argv=None) -> int:
     print(f"[time] {args.dtype} seqs={cfg.seqs} T={cfg.tokens}: reference {run['reference_ms']:.3f} ms, kvpolicy "
           f"{run['kvpolicy_ms']:.3f} ms, speedup {run['speedup']:.1f}x", flush=True)
     out = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "dtype": args.dtype, "policy": "hard_kv (temperatures solved at every call)",
+           "dtype": args.dtype, "policy": "hard_kv, the authors' rule (temperatures solved at every call)",
            "config": {**asdict(cfg), "tokens": cfg.tokens}, "check": check, "run": run,
            "timing": "median of iters runs, torch.cuda.Event, cache restored before each run (untimed)",
            "wall_s": time.time() - t0}

@@ -55,14 +55,14 @@ const kvp::batch_item* device_items(const kvp_capi_shape& s, const std::int32_t*
 int compress_on(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
                 const std::int32_t* block_table, const std::int32_t* lengths, const std::int32_t* items,
                 void* workspace, std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
-                cudaStream_t stream, cudaEvent_t* stage_marks) {
+                cudaStream_t stream, cudaEvent_t* stage_marks, const kvp_capi_calibration* calibration = nullptr) {
   kvp::require(s != nullptr, "shape", "is a null pointer");
   kvp::require(workspace != nullptr, "workspace", "is a null pointer");
   const views v = make_views(*s, kv_cache, queries, f, block_table, lengths);
   const ws_layout w = layout_of(*s);
   kvp::require(workspace_bytes > w.executor, "workspace_bytes", "is {}; kvp_capi_workspace_size says more",
                workspace_bytes);
-  return with_policy(*s, [&](const auto& p) -> int {
+  return with_policy(*s, calibration, [&](const auto& p) -> int {
     kvp::cuda_executor ex;
     ex.stream = stream;
     ex.stage_marks = stage_marks;
@@ -171,6 +171,27 @@ int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queri
   return guarded([&]() -> int {
     return compress_on(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, keep_masks,
                        final_scores, reinterpret_cast<cudaStream_t>(stream), nullptr);
+  });
+}
+
+int kvp_capi_calibration_size(void) { return static_cast<int>(sizeof(kvp_capi_calibration)); }
+
+int kvp_capi_calibration_defaults(kvp_capi_calibration* out) {
+  return guarded([&]() -> int {
+    kvp::require(out != nullptr, "out", "is a null pointer");
+    *out = calibration_defaults();
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_compress_calibrated(const kvp_capi_shape* s, const kvp_capi_calibration* calibration, void* kv_cache,
+                                 const void* queries, float* f, const std::int32_t* block_table,
+                                 const std::int32_t* lengths, const std::int32_t* items, void* workspace,
+                                 std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
+                                 std::uintptr_t stream) {
+  return guarded([&]() -> int {
+    return compress_on(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, keep_masks,
+                       final_scores, reinterpret_cast<cudaStream_t>(stream), nullptr, calibration);
   });
 }
 

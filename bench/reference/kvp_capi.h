@@ -95,6 +95,41 @@ KVP_CAPI_EXPORT int kvp_capi_compress_staged(const kvp_capi_shape* s, void* kv_c
                                              const int32_t* items, void* workspace, size_t workspace_bytes,
                                              float* stage_ms, uintptr_t stream);
 
+/* Calibrated top-p's options (kvp::select::calibrated_top_p, field for field;
+ * docs/pipeline.md "Head-adaptive counts") for KVP_CAPI_HARD_KV. Must match
+ * `class KvpCalibration(ctypes.Structure)` in hard_kv_reference.py. The defaults
+ * (kvp_capi_calibration_defaults) are hard_kv's: the authors' rule (scope 0, top-k
+ * union on, T bisected on [1e-3, 1] on the scores as they are, at most 2048 per head). */
+typedef struct kvp_capi_calibration {
+  float p;                   /* the mass each head's kept set carries, in (0, 1] */
+  float tolerance;           /* |calibrated top-n_p mass - p| accepted */
+  float t_min, t_max;        /* the temperature's range */
+  int32_t search;            /* 0 bisection, 1 first order (Adam) */
+  int32_t iterations;        /* bisection's bound */
+  int32_t steps;             /* first order's bound */
+  float learning_rate;       /* first order's rate */
+  float t_start;             /* first order's start */
+  int32_t upper;             /* L_upper: at most this many per head, protected included; 0: no cap */
+  int32_t lower;             /* L_lower: at least this many; 0: off */
+  int32_t union_top_k;       /* 1: also keep the top (budget - protected) by score; 0: not */
+  int32_t scope;             /* 0 whole row (the authors' rule), 1 the unprotected tokens only */
+  int32_t divide_by_row_max; /* 1: scores divided by the row's largest |s| before the softmax; 0: not */
+} kvp_capi_calibration;
+
+KVP_CAPI_EXPORT int kvp_capi_calibration_size(void);
+
+/* Fills *out with hard_kv's calibration options. */
+KVP_CAPI_EXPORT int kvp_capi_calibration_defaults(kvp_capi_calibration* out);
+
+/* kvp_capi_compress with these calibration options (shape->policy KVP_CAPI_HARD_KV;
+ * NULL: the defaults, as kvp_capi_compress). Temperatures are solved at every call. An
+ * option out of range is refused (KVP_CAPI_EINVAL) naming it, before any byte moves. */
+KVP_CAPI_EXPORT int kvp_capi_compress_calibrated(const kvp_capi_shape* s, const kvp_capi_calibration* calibration,
+                                                 void* kv_cache, const void* queries, float* f,
+                                                 const int32_t* block_table, const int32_t* lengths,
+                                                 const int32_t* items, void* workspace, size_t workspace_bytes,
+                                                 uint8_t* keep_masks, float* final_scores, uintptr_t stream);
+
 /* Synchronises `stream`, copies the 6 status words to host_words (may be null);
  * returns KVP_CAPI_EINVAL with the message when the compression was rejected. */
 KVP_CAPI_EXPORT int kvp_capi_status(const kvp_capi_shape* s, const void* workspace, int32_t* host_words,

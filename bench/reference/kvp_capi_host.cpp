@@ -19,7 +19,8 @@ using namespace kvp_capi;
 kvp::stage_times compress_host(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
                                const std::int32_t* block_table, const std::int32_t* lengths,
                                const std::int32_t* items, void* workspace, std::size_t workspace_bytes,
-                               std::uint8_t* keep_masks, float* final_scores) {
+                               std::uint8_t* keep_masks, float* final_scores,
+                               const kvp_capi_calibration* calibration = nullptr) {
   kvp::require(s != nullptr, "shape", "is a null pointer");
   kvp::require(workspace != nullptr, "workspace", "is a null pointer");
   const ws_layout w = layout_of(*s);
@@ -32,7 +33,7 @@ kvp::stage_times compress_host(const kvp_capi_shape* s, void* kv_cache, const vo
   auto* status = at<std::int32_t>(workspace, w.status);
   std::fill_n(status, kvp::status_words, 0);
   const kvp::host_executor hx{.record_keep_masks = keep_masks != nullptr, .record_scores = final_scores != nullptr};
-  const kvp::host_result r = with_policy(*s, [&](const auto& p) {
+  const kvp::host_result r = with_policy(*s, calibration, [&](const auto& p) {
     return hx.compress(p, v.cache, v.queries, v.scores, kvp::compression_batch{span, s->layer_begin, s->layer_count});
   });
   const std::int32_t layers = s->layer_count > 0 ? s->layer_count : s->num_layers - s->layer_begin;
@@ -106,6 +107,28 @@ int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queri
   return guarded([&]() -> int {
     compress_host(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, keep_masks,
                   final_scores);
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_calibration_size(void) { return static_cast<int>(sizeof(kvp_capi_calibration)); }
+
+int kvp_capi_calibration_defaults(kvp_capi_calibration* out) {
+  return guarded([&]() -> int {
+    kvp::require(out != nullptr, "out", "is a null pointer");
+    *out = calibration_defaults();
+    return KVP_CAPI_OK;
+  });
+}
+
+int kvp_capi_compress_calibrated(const kvp_capi_shape* s, const kvp_capi_calibration* calibration, void* kv_cache,
+                                 const void* queries, float* f, const std::int32_t* block_table,
+                                 const std::int32_t* lengths, const std::int32_t* items, void* workspace,
+                                 std::size_t workspace_bytes, std::uint8_t* keep_masks, float* final_scores,
+                                 std::uintptr_t /*stream*/) {
+  return guarded([&]() -> int {
+    compress_host(s, kv_cache, queries, f, block_table, lengths, items, workspace, workspace_bytes, keep_masks,
+                  final_scores, calibration);
     return KVP_CAPI_OK;
   });
 }
