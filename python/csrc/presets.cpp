@@ -89,6 +89,12 @@ constexpr spelling<kvp::aggregate::pool_mode> pool_names[] = {{"max", kvp::aggre
                                                               {"avg", kvp::aggregate::pool_mode::avg}};
 constexpr spelling<kvp::select::block_budget> budget_names[] = {{"sequence", kvp::select::block_budget::sequence},
                                                                  {"layer", kvp::select::block_budget::layer}};
+constexpr spelling<kvp::select::temperature_search> search_names[] = {
+    {"bisection", kvp::select::temperature_search::bisection},
+    {"first_order", kvp::select::temperature_search::first_order}};
+constexpr spelling<kvp::select::calibration_scope> scope_names[] = {
+    {"whole_row", kvp::select::calibration_scope::whole_row},
+    {"unprotected_only", kvp::select::calibration_scope::unprotected_only}};
 constexpr spelling<kvp::redundancy::combine_form> form_names[] = {
     {"weighted", kvp::redundancy::combine_form::weighted}, {"subtract", kvp::redundancy::combine_form::subtract}};
 
@@ -106,6 +112,25 @@ template <class P, class At>
 knob<P> float_knob(const char* name, const char* doc, At at) {
   return {name, doc, [at](const P& p) { return shortest(at(const_cast<P&>(p))); },
           [at, name](P& p, nb::handle v) { at(p) = to_float(v, name); }};
+}
+// A knob whose value must pass `ok` (`why` says what it must be), refused on the spot.
+template <class P, class At, class Ok>
+knob<P> checked_float_knob(const char* name, const char* doc, At at, Ok ok, const char* why) {
+  return {name, doc, [at](const P& p) { return shortest(at(const_cast<P&>(p))); },
+          [at, ok, name, why](P& p, nb::handle v) {
+            const float x = to_float(v, name);
+            kvp::require(ok(x), name, "is {}; {}", x, why);
+            at(p) = x;
+          }};
+}
+template <class P, class At, class Ok>
+knob<P> checked_int_knob(const char* name, const char* doc, At at, Ok ok, const char* why) {
+  return {name, doc, [at](const P& p) { return nb::int_(at(const_cast<P&>(p))); },
+          [at, ok, name, why](P& p, nb::handle v) {
+            const std::int32_t x = to_int(v, name);
+            kvp::require(ok(x), name, "is {}; {}", x, why);
+            at(p) = x;
+          }};
 }
 template <class P, class At>
 knob<P> double_knob(const char* name, const char* doc, At at) {
@@ -173,25 +198,52 @@ void redundancy_knobs(std::vector<knob<P>>& k) {
 }
 
 // Calibrated top-p (Hard-KV): without a calibration state, temperatures are solved at
-// every compression.
+// every compression. Values out of range are refused here, naming the keyword (the
+// pair t_min < t_max, and lower <= upper, when the policy runs: pipeline.select.*).
 template <class P>
 void calibrated_knobs(std::vector<knob<P>>& k) {
-  k.push_back(float_knob<P>("p", "the attention mass each head's kept set carries (select.p)",
-                            [](P& p) -> auto& { return p.select.p; }));
-  k.push_back(float_knob<P>("tolerance", "accepted |calibrated top-n_p mass - p| (select.tolerance)",
-                            [](P& p) -> auto& { return p.select.tolerance; }));
-  k.push_back(float_knob<P>("t_min", "lowest temperature searched (select.t_min)",
-                            [](P& p) -> auto& { return p.select.t_min; }));
-  k.push_back(float_knob<P>("t_max", "highest temperature searched (select.t_max)",
-                            [](P& p) -> auto& { return p.select.t_max; }));
-  k.push_back(int_knob<P>("iterations", "bisection steps at most (select.iterations)",
-                          [](P& p) -> auto& { return p.select.iterations; }));
-  k.push_back(int_knob<P>("upper", "at most this many tokens per head, protected included; 0: no cap (select.upper)",
-                          [](P& p) -> auto& { return p.select.upper; }));
-  k.push_back(int_knob<P>("lower", "at least this many tokens per head; 0: off (select.lower)",
-                          [](P& p) -> auto& { return p.select.lower; }));
-  k.push_back(bool_knob<P>("union_top_k", "also keep the top (budget - protected) by score (select.union_top_k)",
+  const auto positive = [](auto x) { return x > 0; };
+  const auto not_negative = [](auto x) { return x >= 0; };
+  k.push_back(checked_float_knob<P>("p", "the attention mass each head's kept set carries (select.p)",
+                                    [](P& p) -> auto& { return p.select.p; },
+                                    [](float x) { return x > 0.0f && x <= 1.0f; }, "a mass lies in (0, 1]"));
+  k.push_back(checked_float_knob<P>("tolerance", "accepted |calibrated top-n_p mass - p| (select.tolerance)",
+                                    [](P& p) -> auto& { return p.select.tolerance; }, positive, "must be positive"));
+  k.push_back(checked_float_knob<P>("t_min", "lowest temperature searched (select.t_min)",
+                                    [](P& p) -> auto& { return p.select.t_min; }, positive, "must be positive"));
+  k.push_back(checked_float_knob<P>("t_max", "highest temperature searched (select.t_max; Hard-KV's bisection: 1)",
+                                    [](P& p) -> auto& { return p.select.t_max; }, positive, "must be positive"));
+  k.push_back(enum_knob<P>("search", "'bisection' (Hard-KV alg. 2) or 'first_order' (Adam, alg. 1) (select.search)",
+                           search_names, [](P& p) -> auto& { return p.select.search; }));
+  k.push_back(checked_int_knob<P>("iterations", "bisection steps at most (select.iterations)",
+                                  [](P& p) -> auto& { return p.select.iterations; }, positive, "must be positive"));
+  k.push_back(checked_int_knob<P>("steps", "first-order steps at most (select.steps)",
+                                  [](P& p) -> auto& { return p.select.steps; }, positive, "must be positive"));
+  k.push_back(checked_float_knob<P>("learning_rate", "first order's Adam rate (select.learning_rate)",
+                                    [](P& p) -> auto& { return p.select.learning_rate; }, positive,
+                                    "must be positive"));
+  k.push_back(checked_float_knob<P>("t_start", "first order's starting temperature (select.t_start)",
+                                    [](P& p) -> auto& { return p.select.t_start; }, positive, "must be positive"));
+  k.push_back(checked_int_knob<P>("upper",
+                                  "at most this many tokens per head, protected included; 0: no cap (select.upper)",
+                                  [](P& p) -> auto& { return p.select.upper; }, not_negative,
+                                  "must not be negative (0: no cap)"));
+  k.push_back(checked_int_knob<P>("lower", "at least this many tokens per head; 0: off (select.lower)",
+                                  [](P& p) -> auto& { return p.select.lower; }, not_negative,
+                                  "must not be negative (0: off)"));
+  k.push_back(bool_knob<P>("union_top_k",
+                           "also keep the top (budget - protected) by score, over the row as the top-p set "
+                           "(select.union_top_k; Hard-KV's code: on)",
                            [](P& p) -> auto& { return p.select.union_top_k; }));
+  k.push_back(enum_knob<P>("scope",
+                           "'whole_row' (the authors' rule: n_p and the calibrated softmax over every token, sinks "
+                           "and window included) or 'unprotected_only' (the protected tokens out of both, the raw "
+                           "mass renormalised) (select.scope)",
+                           scope_names, [](P& p) -> auto& { return p.select.scope; }));
+  k.push_back(bool_knob<P>("divide_by_row_max",
+                           "divide the scores by the row's largest |s| before the softmax (select.divide_by_row_max; "
+                           "Hard-KV's code: off)",
+                           [](P& p) -> auto& { return p.select.divide_by_row_max; }));
 }
 
 template <class P>
@@ -354,8 +406,9 @@ void register_presets(nb::module_& m) {
   bind_preset<kvp::presets::hard_kv>(
       m, "HardKV",
       "Hard-KV with SnapKV's scores: window attention (group max_logits, mean, w 8) -> max pool 7 -> calibrated "
-      "top-p (p 0.9, at most 2048 per head; temperatures solved at every call) -> compact, each KV head to its own "
-      "count (kept_counts). Protects the last 32 tokens and 1 sink.");
+      "top-p, the authors' rule (n_p and the calibrated softmax over the whole row, sinks and window included; the "
+      "top (budget - protected) by score kept too; p 0.9, at most 2048 per head; temperatures solved at every call) "
+      "-> compact, each KV head to its own count (kept_counts). Protects the last 32 tokens and 1 sink.");
   bind_preset<kvp::presets::hard_kv_rkv>(
       m, "HardKVRKV",
       "Hard-KV with R-KV's scores: R-KV's stages (keys before the window, max pool 7, full redundancy tau 1, lambda "

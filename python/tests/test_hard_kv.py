@@ -24,13 +24,85 @@ def fewest_reaching(weights, target):
     return int(np.searchsorted(np.cumsum(w), target, side="left") + 1)
 
 
+def authors_rule(raw, value, protected, p, budget, upper=2048, tolerance=1e-2):
+    """Hard-KV's calibrated top-p as its authors compute it (the paper's 3.2 and app. D,
+    HARDInfer's search.py and snapKV_topp.py), in float64, independent of kvpolicy:
+    n_p from the raw attention of the whole row (its own total); T bisected on [1e-3, 1]
+    until the calibrated top-n_p mass is within the tolerance of p; the calibrated top-p
+    set over the whole row, union its top (budget - protected), union the protected
+    tokens; at most `upper`, the protected first. Ties go to the more recent token.
+    Returns (count, keep mask)."""
+    n = len(raw)
+    pos = np.arange(n)
+    must = int(protected.sum())
+    n_p = fewest_reaching(raw, p * raw.sum())
+    order = np.lexsort((-pos, -value))  # by value, descending; ties to the larger position
+    top = value.max()
+
+    def mass(T):
+        e = np.exp((value - top) / T)
+        return e[order[:n_p]].sum() / e.sum()
+
+    lo, hi = 1e-3, 1.0
+    mid = 0.5 * (lo + hi)
+    m = mass(mid)
+    while lo < hi and abs(m - p) > tolerance:
+        if m > p:
+            lo = mid
+        else:
+            hi = mid
+        mid = 0.5 * (lo + hi)
+        m = mass(mid)
+    e = np.exp((value - top) / mid)
+    kept_by_value = int(np.searchsorted(np.cumsum(e[order]), p * e.sum(), side="left") + 1)
+    kept_by_value = max(kept_by_value, min(budget - must, n))
+    keep = protected.copy()
+    keep[order[:kept_by_value]] = True
+    count = min(int(keep.sum()), upper)
+    mask = protected.copy()  # the protected first, then by value
+    for t in order:
+        if mask.sum() >= count:
+            break
+        mask[t] = True
+    return count, mask
+
+
 @pytest.mark.parametrize("p", [0.5, 0.9])
-def test_each_head_keeps_the_calibrated_count(p):
+def test_each_head_keeps_the_authors_calibrated_count(p):
+    # kernel 1: the final scores are the raw attention. A first run with nothing
+    # protected reads every token's score; the second, with the window (8) and a sink
+    # protected, keeps per head what the authors' rule gives on those scores.
+    budget = 16
+    free = kvpolicy.compress(kvpolicy.HardKV(kernel=1, protect_window=0, sinks=0, p=p),
+                             peaky_case().cache("nano_vllm")[0], seqs=[0], budgets=budget,
+                             queries=peaky_case().queries, return_scores=True)
     case = peaky_case()
-    cache, _ = case.cache("nano_vllm")
-    # kernel 1: the final scores are the raw attention the rule's n_p is read from.
     policy = kvpolicy.HardKV(kernel=1, protect_window=8, p=p)
     assert policy.name == "hard_kv" and (policy.p, policy.upper, policy.sinks) == (p, 2048, 1)
+    assert (policy.scope, policy.union_top_k, policy.divide_by_row_max, policy.t_max) == ("whole_row", True, False, 1.0)
+    r = kvpolicy.compress(policy, case.cache("nano_vllm")[0], seqs=[0], budgets=budget, queries=case.queries,
+                          return_masks=True, return_scores=True)
+    counts = r.kept_counts[0, 0]
+    np.testing.assert_array_equal(r.keep_masks[0, 0].sum(-1), counts)
+    for h in range(2):
+        scores = free.scores[0, 0, h, :64].astype(np.float64)
+        protected = np.isinf(r.scores[0, 0, h, :64])
+        assert protected.sum() == 8 + 1 and protected[0] and protected[-8:].all()
+        count, mask = authors_rule(scores, scores, protected, p, budget)
+        assert counts[h] == count, (h, counts[h], count)
+        np.testing.assert_array_equal(r.keep_masks[0, 0, h, :64].astype(bool), mask)
+    assert counts[0] < counts[1]  # the peaky head keeps fewer than the flat one
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9])
+def test_unprotected_only_calibrates_over_the_unprotected_tokens(p):
+    # The variant: n_p and the calibration over the unprotected tokens only, the raw mass
+    # renormalised over them (scores relative to the row's largest |s|, T on [1e-3, 10],
+    # no union: the rule kvpolicy had before the authors' became the default).
+    case = peaky_case()
+    cache, _ = case.cache("nano_vllm")
+    policy = kvpolicy.HardKV(kernel=1, protect_window=8, p=p, scope="unprotected_only", divide_by_row_max=True,
+                             t_max=10.0, union_top_k=False)
     r = kvpolicy.compress(policy, cache, seqs=[0], budgets=64, queries=case.queries, return_masks=True,
                           return_scores=True)
     counts = r.kept_counts[0, 0]
@@ -73,10 +145,31 @@ def test_hard_kv_rkv_runs_and_keeps_per_head_counts():
 
 @pytest.mark.parametrize("cls", [kvpolicy.HardKV, kvpolicy.HardKVRKV])
 def test_keywords_round_trip(cls):
-    p = cls(p=0.8, tolerance=0.02, t_min=0.01, t_max=5.0, iterations=20, upper=512, lower=16, union_top_k=True)
+    p = cls(p=0.8, tolerance=0.02, t_min=0.01, t_max=5.0, iterations=20, upper=512, lower=16, union_top_k=False,
+            search="first_order", steps=20, learning_rate=0.05, t_start=0.3, scope="unprotected_only",
+            divide_by_row_max=True)
     assert (p.p, p.tolerance, p.t_min, p.t_max, p.iterations, p.upper, p.lower, p.union_top_k) == (
-        0.8, 0.02, 0.01, 5.0, 20, 512, 16, True)
+        0.8, 0.02, 0.01, 5.0, 20, 512, 16, False)
+    assert (p.search, p.steps, p.learning_rate, p.t_start, p.scope, p.divide_by_row_max) == (
+        "first_order", 20, 0.05, 0.3, "unprotected_only", True)
     assert cls(**p.params()) == p and kvpolicy.preset(cls.name, **p.params()) == p
+    d = cls()  # the authors' rule
+    assert (d.scope, d.union_top_k, d.divide_by_row_max, d.search, d.t_min, d.t_max, d.iterations) == (
+        "whole_row", True, False, "bisection", 0.001, 1.0, 30)
+
+
+@pytest.mark.parametrize("cls", [kvpolicy.HardKV, kvpolicy.HardKVRKV])
+@pytest.mark.parametrize("keyword, value, why", [
+    ("p", 0.0, "(0, 1]"), ("p", 1.5, "(0, 1]"), ("tolerance", 0.0, "positive"), ("t_min", -1.0, "positive"),
+    ("t_max", 0.0, "positive"), ("iterations", 0, "positive"), ("steps", -3, "positive"),
+    ("learning_rate", 0.0, "positive"), ("t_start", 0.0, "positive"), ("upper", -1, "negative"),
+    ("lower", -2, "negative"), ("scope", "both", "'whole_row', 'unprotected_only'"),
+    ("search", "newton", "'bisection', 'first_order'"), ("union_top_k", 1, "True or False"),
+    ("divide_by_row_max", "yes", "True or False"), ("iterations", 2.5, "an int")])
+def test_bad_calibration_keywords_are_refused_naming_them(cls, keyword, value, why):
+    with pytest.raises(kvpolicy.Error) as e:
+        cls(**{keyword: value})
+    assert e.value.field == keyword and why in str(e.value)
 
 
 # Cautious update: PagedCache(live=...), one byte per (layer, block, slot, KV head).
@@ -114,13 +207,14 @@ def test_cautious_update_a_dropped_token_stays_dropped():
     length, next_position = 64, 64
     rng = np.random.default_rng(3)
     policy = kvpolicy.HardKV(kernel=1, protect_window=8, p=0.6)
+    budget = 16  # the top-k union's k: 16 - 9 protected
     for round_ in range(3):
         lengths = np.array([length], dtype=np.int32)
         args = case.tensors("nano_vllm")
         cache = kvpolicy.PagedCache("nano_vllm", **args, block_table=case.block_table, lengths=lengths,
                                     positions=case.positions, live=live)
         before = [[set(held(case, live, case.positions, 0, length, l, h)) for h in range(2)] for l in range(2)]
-        r = kvpolicy.compress(policy, cache, seqs=[0], budgets=length, queries=case.queries)
+        r = kvpolicy.compress(policy, cache, seqs=[0], budgets=budget, queries=case.queries)
         case.kv = case.canonical("nano_vllm", args)
         counts = r.kept_counts[0]
         assert r.new_lengths[0] == counts.max()
