@@ -341,6 +341,13 @@ TEST_CASE("parity: rows too long for shared memory take the global-memory epilog
   cfg.seed = 2;
   const std::vector<kvp::batch_item> again{{0, 0, 120 * 256, 127 * 256}};
   check_parity(kvp::presets::zipage{}, cfg, again, rep);
+  // Calibrated top-p keeps a third array per row (the scores before protect): rows of
+  // 20480 tokens hold two in shared memory but not three, so hard_kv's epilogue takes
+  // the global-memory path where zipage's does not.
+  cfg.lengths = {80 * 256, 200};
+  cfg.seed = 3;
+  const std::vector<kvp::batch_item> calibrated{{0, 0, 79 * 256, 0}, {1, 1, 64, 0}};
+  check_parity(kvp::presets::hard_kv{}, cfg, calibrated, rep);
   MESSAGE(rep.summary());
 }
 
