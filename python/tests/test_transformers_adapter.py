@@ -365,6 +365,19 @@ def test_refused_engine_configurations():
     assert not snap._managers  # nothing was attached by a refused call
 
 
+def test_refused_second_adapter():
+    model = tiny_model()
+    first = Adapter(kvpolicy.SnapKV(window=8), budget=32)
+    manager = manager_with(model)
+    first.attach(manager)
+    refused("manager", lambda: Adapter(kvpolicy.Zipage(window=8), budget=32).attach(manager), "already")
+    first.detach()
+    Adapter(kvpolicy.Zipage(window=8), budget=32).attach(manager).detach()  # free again once detached
+    with Adapter(kvpolicy.SnapKV(window=8), budget=32).attach(model):
+        refused("target", lambda: Adapter(kvpolicy.H2O(window=8), budget=32).attach(model), "already")
+    assert "init_continuous_batching" not in model.__dict__
+
+
 def test_refused_while_running():
     model = tiny_model()
     adapter = Adapter(kvpolicy.SnapKV(window=8), budget=32)

@@ -273,6 +273,9 @@ class Adapter:
         return trigger
 
     def _attach_model(self, model) -> None:
+        if "init_continuous_batching" in model.__dict__:
+            _refuse("target", "the model already has an adapter attached (or another wrapper of "
+                    "init_continuous_batching); detach it first")
         config = model.config.get_text_config()
         _check_model_config(config)
         cached = getattr(model, "_cached_continuous_batching_manager", None)
@@ -294,6 +297,9 @@ class Adapter:
             return
         if manager.is_running():
             _refuse("manager", "is running; attach before start() (requests already running were not observed)")
+        if "_create_batch_processor" in manager.__dict__:
+            _refuse("manager", "already has an adapter attached; two would both rewrite its block tables and "
+                    "positions: detach the other first")
         _check_manager(manager, observing_only=self.policy is None)
         if self.policy is not None:
             self.trigger_for(manager.continuous_batching_config.block_size)  # a bad budget fails here, not mid-run
