@@ -517,6 +517,9 @@ class _Run:
             padded = self.io.num_q_tokens  # the forward's query rows (padding included)
             dst.extend([self.trash_row] * (padded - len(dst)))
             self.dst[:padded] = torch.tensor(dst, dtype=torch.int64, device=self.dst.device)
+        stream = self.io.compute_stream
+        if stream is not None and (shifted or w):
+            stream.wait_stream(torch.cuda.current_stream())  # the forward reads what was just written here
 
     # -- the attention (per layer) ---------------------------------------------------------
 
@@ -601,15 +604,19 @@ class _Run:
         width = max(-(-length // b) for length in lengths)
         rows = [table[: -(-length // b)] for table, length in zip(tables, lengths)]
         device = self.k[0].device
-        table = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32, device=device)
-        queries = None
-        if self.window:
-            w = self.window
-            picks = [rec.slot * w + (rec.seen - w + j) % w for rec in due for j in range(w)]  # oldest first
-            queries = self.ring.index_select(1, torch.tensor(picks, dtype=torch.int64, device=device))
-            queries = queries.view(self.layers, n, w, self.h_q, self.cache.head_dim)
         stream = self.io.compute_stream
+        # Everything on the engine's compute stream, after its forward: the host-to-device
+        # copies of the table and lengths too (a pageable copy may still be in flight when
+        # torch.tensor returns, so it must be ordered before the kernels that read it).
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            table = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32,
+                                 device=device)
+            queries = None
+            if self.window:
+                w = self.window
+                picks = [rec.slot * w + (rec.seen - w + j) % w for rec in due for j in range(w)]  # oldest first
+                queries = self.ring.index_select(1, torch.tensor(picks, dtype=torch.int64, device=device))
+                queries = queries.view(self.layers, n, w, self.h_q, self.cache.head_dim)
             r = kvpolicy.torch_ops.compress(
                 self._spec(), "nhd", k=self.k, v=self.v, block_table=table,
                 lengths=torch.tensor(lengths, dtype=torch.int32, device=device), seqs=list(range(n)),
