@@ -311,6 +311,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=int, default=None,
+                    help="every item's budget (the top-k union's floor); default the configuration's, (nmax - 1) * "
+                         "block size, which at configuration A makes every head keep 2048 (L_upper)")
     ap.add_argument("--out", default="hard_kv_reference.json")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -323,6 +326,8 @@ def main(argv=None) -> int:
                     head_dim=args.head_dim, block_size=args.block_size, n_max=args.nmax, dtype=args.dtype,
                     seed=args.seed, dup_fraction=0.0)
     inp = zr.make_inputs(cfg, dev)
+    if args.budget is not None:
+        inp.items[:, 2] = args.budget
     t0 = time.time()
     check = compare(cfg, inp, kvp)
     print(f"[check] {args.dtype} T={cfg.tokens}: kept per row {check['kept_count_min']}..{check['kept_count_max']} "
@@ -333,7 +338,7 @@ def main(argv=None) -> int:
     print(f"[time] {args.dtype} seqs={cfg.seqs} T={cfg.tokens}: reference {run['reference_ms']:.3f} ms, kvpolicy "
           f"{run['kvpolicy_ms']:.3f} ms, speedup {run['speedup']:.1f}x", flush=True)
     out = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "dtype": args.dtype, "policy": "hard_kv, the authors' rule (temperatures solved at every call)",
+           "dtype": args.dtype, "budget": int(inp.items[0, 2]), "policy": "hard_kv, the authors' rule (temperatures solved at every call)",
            "config": {**asdict(cfg), "tokens": cfg.tokens}, "check": check, "run": run,
            "timing": "median of iters runs, torch.cuda.Event, cache restored before each run (untimed)",
            "wall_s": time.time() - t0}
