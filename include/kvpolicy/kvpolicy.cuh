@@ -2,6 +2,7 @@
 #pragma once
 
 #include "kvpolicy/kvpolicy.hpp"
+#include "kvpolicy/attention/decode_attention.cuh"
 #include "kvpolicy/exec/cuda_executor.cuh"
 #include "kvpolicy/exec/cuda_per_head_executor.cuh"
 #include "kvpolicy/exec/cuda_per_head_metric.cuh"

@@ -16,6 +16,7 @@
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/core/row_ref.hpp"
 #include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/attention/decode_attention_reference.hpp"
 #include "kvpolicy/aggregate/accumulate.hpp"
 #include "kvpolicy/aggregate/global_score.hpp"
 #include "kvpolicy/aggregate/pool.hpp"

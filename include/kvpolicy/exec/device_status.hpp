@@ -42,6 +42,9 @@ enum class status_code : std::int32_t {
   per_layer_missing,             // a = layers (a per-layer budget with a null per_layer)
   logical_length_missing,        // a = logical_length (positions given, no position count)
   position_out_of_range,         // a = layer, b = head, c = token, d = position, e = logical length
+  // Decode attention over a shared table with per-head counts (decode_head_counts).
+  head_count_out_of_range,  // a = layer, b = seq, c = head, d = count, e = the sequence's length or tail_from
+  tail_out_of_range,        // a = seq, b = tail_from, c = the sequence's length
 };
 
 // Words: [code, item, a, b, c, d, e, f]. The first error found wins (atomicCAS on code).
@@ -140,6 +143,11 @@ inline void throw_if_error(const std::int32_t* w) {
     case status_code::position_out_of_range:
       throw error(detail::format("cache.positions (batch[{}], layer {}, head {}, token {})", i, a, b, c),
                   detail::format("is {}; positions lie in [0, {})", d, e));
+    case status_code::head_count_out_of_range:
+      throw error(detail::format("counts[layer {}][seq {}][head {}]", a, b, c),
+                  detail::format("is {}; at most {} (the sequence's length, or its tail_from where given)", d, e));
+    case status_code::tail_out_of_range:
+      throw error(detail::format("counts.tail_from[{}]", a), detail::format("is {}; the sequence holds {} tokens", b, c));
   }
   throw error("status", detail::format("unknown device status code {}", w[0]));
 }
