@@ -30,6 +30,8 @@
 //   e2e|stage/zipage/KvLLM_8k       Zipage freeing the same 60 blocks from whole sequences of 8192 tokens
 //   e2e|stage/kv_compress/B[_positions]  KV-Compress over a per-head block cache, configuration B
 //                                   (bench/per_head_rows.cuh states it and its byte model)
+//   decode/<cache>/<shape>[_metric]  decode attention over per-head, per-head-count, live-mask and plain
+//                                   paged caches (bench/decode_attention_rows.cuh states them and the byte model)
 //
 // Configuration A: 16 sequences, 8 layers per launch, h_kv 8, h_q 32, d 128, b 256,
 // N_max 9 (T = 2304 tokens held, the last block full), w 16, bf16, budget
@@ -617,6 +619,7 @@ void set_rate(benchmark::State& state, const std::string& prefix, double bytes, 
 }
 
 #include "per_head_rows.cuh"
+#include "decode_attention_rows.cuh"
 
 // Runs pipeline `p` on configuration `s`. The manual time of an iteration is the
 // whole compression (e2e, stage) or the redundancy stage alone (redundancy); the
@@ -816,6 +819,7 @@ void register_all() {
   // The copy roof first: every later row's copy_fraction divides by its best.
   benchmark::RegisterBenchmark("copy", BM_copy)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(20);
   register_per_head_rows();
+  register_decode_attention_rows();
 
   const shape a = config_a();
   // End to end, configuration A, each preset of the family. gkv and rkv compare all
