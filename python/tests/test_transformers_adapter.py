@@ -215,6 +215,34 @@ def test_positions_stay_logical_while_the_cache_shrinks(device, name, monkeypatc
     assert shorter
 
 
+def test_a_request_the_engine_resets_starts_again_from_position_zero(monkeypatch):
+    # A pool too small for the requests between compressions: the engine soft-resets a starved
+    # request (re-prefills its prompt and generated tokens); the adapter forgets its shift.
+    model = tiny_model()
+    recorder = Recorder(monkeypatch)
+    compressed = set()
+    shipped = adapter_module._Run._compress
+
+    def compress(self, due):
+        shipped(self, due)
+        compressed.update(rec.state.request_id for rec in due if rec.delta > 0)
+
+    monkeypatch.setattr(adapter_module._Run, "_compress", compress)
+    adapter = Adapter(small_window("snapkv"), trigger=Buffer(budget=32, size=48))
+    out = run(model, prompts(count=4, low=30, high=40), 90, adapter, num_blocks=16)
+    assert adapter.stats.compressions > 0
+    restarted = set()
+    for rid, seen in recorder.positions().items():
+        starts = [i for i, p in enumerate(seen) if p == 0] + [len(seen)]
+        segments = [seen[a:b] for a, b in zip(starts, starts[1:])]
+        for segment in segments:
+            assert segment == list(range(len(segment))), rid
+        assert segments[-1][-1] == len(out[rid].prompt_ids) + 90 - 2, rid
+        if len(segments) > 1:
+            restarted.add(rid)
+    assert restarted & compressed  # a request compressed (shifted), reset, and right again
+
+
 def test_streaming_llm_keeps_the_sinks_and_the_newest_tokens(monkeypatch):
     model = tiny_model()
     policy = kvpolicy.StreamingLLM(sinks=4, window=16)
