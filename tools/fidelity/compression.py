@@ -55,6 +55,20 @@ KV_COMPRESS = kvpolicy.preset("kv_compress")  # published parameters (configure_
 HEAD_ADAPTIVE = ("hard_kv", "hard_kv_rkv")
 
 
+def hard_kv_item_budget(preset: str, upper: int) -> int:
+    """The items' budget of a head-adaptive preset at L_upper `upper`: the top-k union's
+    floor (every head keeps at least its top budget - protected by score). With the union
+    on, an item budget equal to L_upper makes every head keep L_upper and the preset
+    uniform. Hard-KV's experiments cap each head at L_upper and run with L_lower =
+    L_upper / 2 (section 4 and appendix B: where their system starts selecting), so heads
+    keep between about L_upper / 2 and L_upper as their calibrated top-p sets need: the
+    harness takes L_upper / 2 as the floor (our choice: their code takes k from the budget
+    it is given), and at least the protected tokens (sinks and window), below which the
+    union adds nothing."""
+    p = _policies[preset].params()
+    return max(upper // 2, p["protect_window"] + p["sinks"])
+
+
 def _results(preset: str, r, n: int) -> list[ItemResult]:
     counts = np.asarray(r.kept_counts)
     for i in range(n):
@@ -70,17 +84,21 @@ def _view(cache: PagedCache, live: bool = False):
     )
 
 
-def compress(preset: str, cache: PagedCache, items: list[Item]) -> list[ItemResult]:
-    """Compress `items` of `cache` in place with the named preset (one batch, one call)."""
+def compress(preset: str, cache: PagedCache, items: list[Item], upper: int | None = None) -> list[ItemResult]:
+    """Compress `items` of `cache` in place with the named preset (one batch, one call);
+    `upper`: a head-adaptive preset's L_upper."""
     if preset == "kara":
         raise ValueError("kara compresses windows: compress_windows(cache, items, window, buffer)")
     policy, adaptive = _policies[preset], preset in HEAD_ADAPTIVE
     if adaptive:
-        # Each head keeps what its calibrated top-p set needs, at most the budget (L_upper).
-        budgets = {it.budget for it in items}
-        if len(budgets) != 1:
-            raise ValueError(f"{preset}: one call per budget (its L_upper), got budgets {sorted(budgets)}")
-        policy = kvpolicy.preset(preset, **{**policy.params(), "upper": budgets.pop()})
+        # Each head keeps its calibrated top-p set union the top (item budget - protected)
+        # by score, at most `upper` (L_upper): the harness passes the threshold budget as
+        # upper and hard_kv_item_budget(upper) as the items' budget.
+        if upper is None:
+            raise ValueError(f"{preset}: compress needs upper (L_upper) for a head-adaptive preset")
+        policy = kvpolicy.preset(preset, **{**policy.params(), "upper": upper})
+    elif upper is not None:
+        raise ValueError(f"{preset}: upper is for the head-adaptive presets {HEAD_ADAPTIVE} only")
     r = kvpolicy.compress(
         policy,
         _view(cache, live=adaptive),

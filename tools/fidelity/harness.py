@@ -40,6 +40,7 @@ import os
 import pathlib
 import sys
 import time
+import zlib
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -47,15 +48,27 @@ from threadpoolctl import threadpool_limits
 import compression
 import model
 import prompts
+import stats
+import tasks as tasklib
 from paged_cache import PagedCache, decode_step
 from per_head_cache import PerHeadCache
 
-BLOCK_SIZE = 64  # b: the threshold trigger compresses when a block fills past the budget
+# b: the threshold trigger compresses when a block fills past the budget. 32 so that the
+# budgets can reach down to Hard-KV's and KV-Compress's holdings (64, 96: multiples of b).
+BLOCK_SIZE = 32
 QUERY_WINDOW = 32  # w of the query cache: the largest preset window (snapkv's 32)
 # KV-Compress's block (SPEC.md's b for it: the authors' vLLM integration's 16). It divides
-# the threshold trigger's 64, so a head's blocks are whole at every compression.
+# the threshold trigger's 32, so a head's blocks are whole at every compression.
 PER_HEAD_BLOCK_SIZE = 16
-BUDGETS = (128, 256, 512)
+BUDGETS = (64, 96, 128, 256, 512)
+# The reference samples (issue 46: greedy answers of this model ran into loops, which reward
+# recency); each (session, seed) is one conversation, seeded by both.
+TEMPERATURE = 0.7
+SEEDS = (0, 1, 2)
+# Exact-answer tasks (tasks.py): context lengths in tokens, needle depths, answer caps.
+TASK_LENGTHS = (1024, 2048, 4096, 6144)
+TASK_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+TASK_ANSWER_TOKENS = {"needle": 24, "arithmetic": 64}
 # The default set: issue 35's six, KV-Compress over its per-head cache, and Hard-KV's two
 # (calibrated top-p over window attention, and over R-KV's scores), whose per-head counts in
 # the shared-table cache their attention reads through the live bytes.
@@ -222,6 +235,32 @@ class Engine:
         self.compress_calls = 0
         self.short_frees = 0  # KV-Compress compressions that freed fewer blocks than their budget asked
         self.keepmaps: dict[int, list[dict]] = {i: [] for i, c in enumerate(configs) if c.preset}
+        self.rows = rows
+        self.peak_slots = np.zeros(len(configs))  # the most token slots each configuration's blocks held
+
+    def held(self) -> dict[str, np.ndarray]:
+        """[configs] each: tokens per (layer, KV head) held, the mean over the heads ('mean')
+        and the largest head's ('peak_head'); tokens the sequence holds over all its rows
+        ('sequence'); token slots of the blocks it holds ('slots': a paged block holds b
+        tokens of every row, a per-head block b_h tokens of one)."""
+        n = len(self.configs)
+        out = {k: np.empty(n) for k in ("mean", "peak_head", "sequence", "slots")}
+        for j, i in enumerate(self.paged_ids):
+            if self.cache.cautious[j]:
+                per = self.cache.held_slots(j).sum(-1)
+            else:
+                per = np.full(1, int(self.cache.lengths[j]))
+            out["mean"][i], out["peak_head"][i] = per.mean(), per.max()
+            out["sequence"][i] = per.mean() * self.rows
+            out["slots"][i] = int(self.cache.held[j]) * self.b * self.rows
+        if self.per_head is not None:
+            for j, i in enumerate(self.per_head_ids):
+                per = self.per_head.lengths[:, j]
+                out["mean"][i], out["peak_head"][i] = per.mean(), per.max()
+                out["sequence"][i] = per.sum()
+                out["slots"][i] = int((self.per_head.tables[:, j] >= 0).sum()) * self.per_head.b
+        self.peak_slots = np.maximum(self.peak_slots, out["slots"])
+        return out
 
     def cache_tokens(self) -> np.ndarray:
         """[configs]: tokens per (layer, KV head) each holds (KV-Compress: the mean over its heads)."""
@@ -255,7 +294,14 @@ class Engine:
         self.attended[:] = len(tokens)
         for s in self.states:
             s.generated_since_compression = len(tokens)
+        self.held()  # the prompt's blocks count in the peaks
         return np.repeat(logits[-1:], len(self.configs), axis=0)
+
+    def compress_now(self) -> None:
+        """Compress every budgeted configuration that holds more than its budget, whatever
+        the trigger says (the tasks: a long context prefilled at once is compressed before
+        the question, as a prefill compression would)."""
+        self._compress_due(force=True)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         parts = [(self.cache, self.paged_ids)]
@@ -263,6 +309,7 @@ class Engine:
             parts.append((self.per_head, self.per_head_ids))
         logits = decode_step(self.w, parts, tokens)
         self.attended[:] = self.cache_tokens()
+        self.held()  # peaks before the step's compression: the blocks the step's attention read
         self.step_count += 1
         self.clock += 1
         for s in self.states:
@@ -270,28 +317,33 @@ class Engine:
         self._compress_due()
         return logits
 
-    def _compress_due(self) -> None:
+    def _compress_due(self, force: bool = False) -> None:
         # One call per preset, and per Kara (window, buffer): the policy of a call is one.
         # Items name a sequence of their own cache; paged_ids / per_head_ids map it back to its configuration.
         calls: dict[tuple, list[compression.Item]] = {}
         for i, (c, t) in enumerate(zip(self.configs, self.triggers)):
             j, st = self.local[i], self.states[i]
             if isinstance(t, PerHeadThreshold):
-                if t.due(int(self.per_head.next_pos[j]), self.per_head.tokens(j)):
+                if t.due(int(self.per_head.next_pos[j]), self.per_head.tokens(j)) or (
+                        force and self.per_head.tokens(j) > t.rows * t.budget):
                     item = compression.Item(seq=j, budget=t.budget, history_tokens=0)
                     calls.setdefault(("kv_compress",), []).append(item)
                 continue
             T = int(self.cache.lengths[j])
             if isinstance(t, Periodic):
-                if t.due(st, T, self.clock):
+                if not force and t.due(st, T, self.clock):
                     begin = t.window_begin_of(T)
                     calls.setdefault(("kara", c.window, c.buffer), []).append(compression.Item(
                         seq=j, budget=t.budget, history_tokens=max(0, st.history_tokens - begin), window_begin=begin))
-            elif t is not None and t.due(T):
-                # A head-adaptive preset's policy carries the budget (L_upper): one call per budget.
-                key = (c.preset, t.budget) if c.preset in compression.HEAD_ADAPTIVE else (c.preset,)
+            elif t is not None and (t.due(T) or (force and T > t.budget)):
+                # A head-adaptive preset's policy carries the budget as L_upper (one call per
+                # budget); its items' budget is the top-k union's floor (hard_kv_item_budget).
+                if c.preset in compression.HEAD_ADAPTIVE:
+                    key, budget = (c.preset, t.budget), compression.hard_kv_item_budget(c.preset, t.budget)
+                else:
+                    key, budget = (c.preset,), t.budget
                 calls.setdefault(key, []).append(
-                    compression.Item(seq=j, budget=t.budget, history_tokens=st.history_tokens)
+                    compression.Item(seq=j, budget=budget, history_tokens=st.history_tokens)
                 )
         for key, items in calls.items():
             t0 = time.perf_counter()
@@ -300,7 +352,7 @@ class Engine:
             elif key[0] == "kara":
                 results = compression.compress_windows(self.cache, items, window=key[1], buffer=key[2])
             else:
-                results = compression.compress(key[0], self.cache, items)
+                results = compression.compress(key[0], self.cache, items, upper=key[1] if len(key) > 1 else None)
             self.compress_seconds += time.perf_counter() - t0
             self.compress_calls += 1
             for it, r in zip(items, results):
@@ -340,16 +392,23 @@ class Engine:
         self.keepmaps[i].append({"step": self.step_count, "next_pos": int(next_pos), "positions": pos})
 
 
-def kl_and_top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per configuration, KL(reference || configuration) and whether its top-1 is the reference's."""
-    lp = model.log_softmax(logits.astype(np.float64))
-    p0 = np.exp(lp[0])
-    kl = (p0[None] * (lp[0][None] - lp)).sum(-1)
-    top = logits.argmax(-1)
-    return kl, top == top[0]
+kl_and_top1 = stats.kl_and_top1  # per configuration: KL(reference || it), top-1 agreement
 
 
-def run_session(w, tok, session: prompts.Session, configs, scale: float, log) -> dict:
+def conversation_rng(session: str, seed: int) -> np.random.Generator:
+    """The reference's sampler for one conversation: seeded by the session's name and the
+    seed, so a conversation is the same in every run (and in any process)."""
+    return np.random.default_rng([zlib.crc32(session.encode()), seed])
+
+
+def run_session(w, tok, session: prompts.Session, configs, scale: float, log, seed: int = 0,
+                temperature: float = TEMPERATURE) -> dict:
+    """One conversation: the full cache samples each assistant turn (`temperature`, seeded
+    by the session and `seed`; 0 is greedy), every configuration is fed its tokens and
+    measured at each assistant step; then the probes, each configuration answering for
+    itself."""
+    name = f"{session.name}#{seed}"
+    rng = conversation_rng(session.name, seed)
     im_end = tok.token_to_id("<|im_end|>")
     first = tok.encode(model.chat_prompt([{"role": "user", "content": session.turns[0].user}])).ids
     caps = [max(4, int(t.cap * scale)) for t in session.turns]
@@ -357,11 +416,14 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
     max_len += max((len(tok.encode(p.question).ids) for p in session.probes), default=0) + 12 + ANSWER_TOKENS
     eng = Engine(w, configs, len(first), max_len)
     S = len(configs)
-    kls, agrees, turn_of_step, attended = [], [], [], []
+    kls, agrees, turn_of_step, attended, compressed = [], [], [], [], []
+    held = {k: [] for k in ("mean", "peak_head", "sequence", "slots")}
+    tokens = list(first)  # the conversation's text, for the repeated n-grams
+    measured_at = []  # index in `tokens` of the token chosen at each measured step
     answers = []
     t0 = time.perf_counter()
     logits = eng.prefill(first)
-    log(f"[{session.name}] prompt {len(first)} tokens prefilled in {time.perf_counter() - t0:.1f}s; {S} sequences, "
+    log(f"[{name}] prompt {len(first)} tokens prefilled in {time.perf_counter() - t0:.1f}s; {S} sequences, "
         f"{eng.cache.num_blocks} blocks of {eng.b}"
         + (f"; {len(eng.per_head_ids)} in the per-head cache, {eng.per_head.num_blocks} blocks of {eng.per_head.b}"
            if eng.per_head is not None else ""))
@@ -369,54 +431,54 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
         if ti > 0:
             for t in tok.encode(f"\n<|im_start|>user\n{turn.user}<|im_end|>\n<|im_start|>assistant\n").ids:
                 logits = eng.step(np.full(S, t))
+                tokens.append(t)
         gen = []
         while True:
             kl, ag = kl_and_top1(logits)
             kls.append(kl), agrees.append(ag), turn_of_step.append(ti), attended.append(eng.attended.copy())
-            nxt = int(logits[0].argmax())
+            # A step counts for a configuration once it has been compressed at least once
+            # (before, it holds the full cache and agrees by construction).
+            compressed.append([st.compressions > 0 for st in eng.states])
+            h = eng.held()
+            for k in held:
+                held[k].append(h[k])
+            nxt = stats.sample_token(logits[0], temperature, rng)
             if len(gen) >= caps[ti] and nxt != im_end:
                 nxt = im_end  # the cap: close the turn (this forced token is still measured above)
             gen.append(nxt)
+            measured_at.append(len(tokens))
+            tokens.append(nxt)
             logits = eng.step(np.full(S, nxt))
             if nxt == im_end:
                 break
         answers.append(tok.decode(gen))
         el = time.perf_counter() - t0
-        log(f"[{session.name}] turn {ti + 1}/{len(session.turns)}: {len(gen)} tokens; {eng.step_count} steps, "
+        log(f"[{name}] turn {ti + 1}/{len(session.turns)}: {len(gen)} tokens; {eng.step_count} steps, "
             f"{el:.0f}s ({el / max(eng.step_count, 1):.2f} s/step), compress {eng.compress_seconds:.1f}s in "
             f"{eng.compress_calls} calls")
 
-    # Probes: each on its own copy of every cache; every configuration answers for itself.
+    # Probes: each on its own copy of every cache; every configuration answers greedily for itself.
     base = eng.snapshot()
     base_states = base[2]
     base_steps = eng.step_count
     final_tokens = eng.cache_tokens()
+    peak_slots = eng.peak_slots.copy()  # the conversation's, before the probes
     probe_results = []
     for p in session.probes:
         eng.restore(base)
         for t in tok.encode(f"\n<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n").ids:
             logits = eng.step(np.full(S, t))
-        outs = [[] for _ in range(S)]
-        done = np.zeros(S, dtype=bool)
-        for _ in range(int(ANSWER_TOKENS * max(scale, 0.5))):
-            nxt = logits.argmax(-1)
-            for s in range(S):
-                if not done[s]:
-                    if nxt[s] == im_end:
-                        done[s] = True
-                    else:
-                        outs[s].append(int(nxt[s]))
-            if done.all():
-                break
-            logits = eng.step(np.where(done, im_end, nxt))
-        texts = [tok.decode(o) for o in outs]
+        texts = free_run(eng, tok, logits, int(ANSWER_TOKENS * max(scale, 0.5)))
         right = [any(a.lower() in t.lower() for a in p.accept) for t in texts]
         probe_results.append({"question": p.question, "accept": list(p.accept), "answers": texts, "right": right})
-        log(f"[{session.name}] probe {p.question!r}: reference {texts[0]!r} ({'right' if right[0] else 'wrong'}); "
+        log(f"[{name}] probe {p.question!r}: reference {texts[0]!r} ({'right' if right[0] else 'wrong'}); "
             f"{sum(right[1:])}/{S - 1} configurations right")
     el = time.perf_counter() - t0
     return {
-        "name": session.name,
+        "name": name,
+        "session": session.name,
+        "seed": seed,
+        "temperature": temperature,
         "prompt_tokens": len(first),
         "assistant_answers": answers,
         "measured_steps": len(kls),
@@ -430,14 +492,80 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log) ->
         "per_head_peak_blocks": int(eng.per_head.peak_blocks_used) if eng.per_head is not None else None,
         "kl": np.array(kls).T.tolist(),  # [config][step]
         "agree": np.array(agrees).T.astype(int).tolist(),
+        "compressed": np.array(compressed).T.astype(int).tolist(),  # [config][step]: compressed before the step
         "turn_of_step": turn_of_step,
         "compressions": [s.compressions for s in base_states],
         # Tokens per (layer, KV head) each configuration's attention read for the measured
         # logits, and held after the last turn (KV-Compress: the mean over its heads).
         "cache_tokens": np.array(attended).T.tolist(),  # [config][step]
+        # At each measured step: the largest head's tokens, the sequence's tokens over all
+        # its rows, and the token slots of its blocks ([config][step] each).
+        "peak_head_tokens": np.array(held["peak_head"]).T.tolist(),
+        "sequence_tokens": np.array(held["sequence"]).T.tolist(),
+        "block_slots": np.array(held["slots"]).T.tolist(),
+        "peak_block_slots": peak_slots.tolist(),  # [config]: the conversation's most
+        "rows": eng.rows,
         "final_lengths": [int(x) if x == int(x) else round(float(x), 1) for x in final_tokens],
+        "repeated_8gram_share": stats.repeated_ngram_share(tokens, measured_at, 8),
         "probes": probe_results,
         "keepmaps": {configs[i].name: v for i, v in eng.keepmaps.items()},
+    }
+
+
+def free_run(eng: Engine, tok, logits: np.ndarray, max_tokens: int) -> list[str]:
+    """Every configuration answers for itself, greedily, until <|im_end|> or max_tokens
+    (the trigger still running): the texts, the reference's first."""
+    im_end = tok.token_to_id("<|im_end|>")
+    S = len(eng.configs)
+    outs = [[] for _ in range(S)]
+    done = np.zeros(S, dtype=bool)
+    for _ in range(max_tokens):
+        nxt = logits.argmax(-1)
+        for s in range(S):
+            if not done[s]:
+                if nxt[s] == im_end:
+                    done[s] = True
+                else:
+                    outs[s].append(int(nxt[s]))
+        if done.all():
+            break
+        logits = eng.step(np.where(done, im_end, nxt))
+    return [tok.decode(o) for o in outs]
+
+
+def run_task(w, tok, task: tasklib.Task, configs, log) -> dict:
+    """One exact-answer task: the context prefilled once, every configuration compressed to
+    its budget (compress_now), then the question fed a token at a time and each
+    configuration's free-running answer checked."""
+    configs = [c for c in configs if c.preset != "kara"]  # Kara compresses windows of decoded tokens
+    text = model.chat_prompt([{"role": "user", "content": task.prompt}])
+    cut = text.index(task.question)
+    ids = tok.encode(text[:cut]).ids
+    tail = tok.encode(text[cut:]).ids
+    answer_tokens = TASK_ANSWER_TOKENS[task.kind]
+    t0 = time.perf_counter()
+    eng = Engine(w, configs, len(ids), len(ids) + len(tail) + answer_tokens + 2)
+    logits = eng.prefill(ids)
+    eng.compress_now()
+    held = eng.held()
+    for t in tail[:-1]:
+        logits = eng.step(np.full(len(configs), t))
+    logits = eng.step(np.full(len(configs), tail[-1]))
+    texts = free_run(eng, tok, logits, answer_tokens)
+    right = [tasklib.is_right(task, t) for t in texts]
+    log(f"[{task.kind} {task.context_tokens}@{','.join(f'{d:g}' for d in task.depths)} seed {task.seed}] "
+        f"{len(ids)} context tokens; reference {texts[0]!r} ({'right' if right[0] else 'wrong'}, answer "
+        f"{task.answer}); {sum(right[1:])}/{len(configs) - 1} configurations right; "
+        f"{time.perf_counter() - t0:.0f}s")
+    return {
+        **{k: v for k, v in dataclasses.asdict(task).items() if k != "prompt"},
+        "context_ids": len(ids),
+        "configs": [c.name for c in configs],
+        "answers": texts,
+        "right": right,
+        "held_after_context": held["mean"].tolist(),  # tokens per (layer, KV head) after compress_now
+        "peak_block_slots": eng.peak_slots.tolist(),
+        "seconds": time.perf_counter() - t0,
     }
 
 
@@ -459,10 +587,28 @@ def parse_keywords(text: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke test: one short session, every preset and budget")
+    ap.add_argument("--quick", action="store_true",
+                    help="the whole protocol, small: two sessions of two short turns, one seed, budgets 64 and "
+                         "128, three needles and one word problem in contexts of 512 tokens (a few minutes)")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "out"), help="where results.json goes")
     ap.add_argument("--scale", type=float, default=None, help="multiply every turn's token cap (default 1; quick 0.2)")
-    ap.add_argument("--sessions", default=None, help="comma-separated session names (default: all; quick: story)")
+    ap.add_argument("--sessions", default=None,
+                    help="comma-separated session names (default: all; quick: story,arithmetic); 'none' runs none")
+    ap.add_argument("--seeds", default=None,
+                    help=f"the reference's sampling seeds, one conversation per (session, seed) (default "
+                         f"{','.join(map(str, SEEDS))}; quick 0)")
+    ap.add_argument("--temperature", type=float, default=TEMPERATURE,
+                    help=f"the reference's sampling temperature (default {TEMPERATURE}; 0 is greedy)")
+    ap.add_argument("--tasks", default=None,
+                    help="exact-answer tasks: 'none', or 'needle', 'arithmetic' or both, comma-separated "
+                         "(default both; quick both, small)")
+    ap.add_argument("--task-lengths", default=None,
+                    help=f"context lengths in tokens (default {','.join(map(str, TASK_LENGTHS))}; quick 512)")
+    ap.add_argument("--task-depths", default=None,
+                    help=f"needle depths (default {','.join(f'{d:g}' for d in TASK_DEPTHS)}; quick 0.1,0.5,0.9)")
+    ap.add_argument("--task-seeds", default=None, help="task seeds (default 0; quick 0)")
+    ap.add_argument("--arithmetic-per-length", type=int, default=None,
+                    help="word problems per (context length, seed) (default 2; quick 1)")
     ap.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
                     help="comma-separated presets (default: the six seed presets and kv_compress, over a per-head "
                          "cache; 'kara' runs Kara's window configurations, see --kara); 'none' runs the full "
@@ -487,27 +633,34 @@ def main(argv=None) -> int:
         return run(args)
 
 
-# What run_sessions' worker processes read: set before they fork, so that the model, the
-# tokenizer and the sessions reach them without being pickled.
+# What run_jobs' worker processes read: set before they fork, so that the model, the
+# tokenizer and the jobs reach them without being pickled.
 _shared: tuple = ()
 
 
-def _session_at(i: int) -> dict:
-    w, tok, sessions, configs, scale, log = _shared
-    return run_session(w, tok, sessions[i], configs, scale, log)
+def _job_at(i: int) -> dict:
+    w, tok, jobs, configs, scale, log, temperature = _shared
+    return run_job(w, tok, jobs[i], configs, scale, log, temperature)
 
 
-def run_sessions(w, tok, sessions, configs, scale, log, jobs: int) -> list[dict]:
-    """run_session of each session, `jobs` at a time in forked processes (one BLAS thread
-    each: on the 2-core machine two sessions side by side take about the time of the
-    longer one); in order."""
+def run_job(w, tok, job: tuple, configs, scale, log, temperature) -> dict:
+    """('session', Session, seed) or ('task', Task)."""
+    if job[0] == "session":
+        return run_session(w, tok, job[1], configs, scale, log, job[2], temperature)
+    return run_task(w, tok, job[1], configs, log)
+
+
+def run_jobs(w, tok, jobs: list[tuple], configs, scale, log, n_procs: int, temperature: float) -> list[dict]:
+    """run_job of each job, `n_procs` at a time in forked processes (one BLAS thread each:
+    on the 2-core machine two side by side take about the time of the longer one); in
+    order. Every job is seeded by what it is, so the results are the same for any n_procs."""
     global _shared
-    if jobs <= 1 or len(sessions) <= 1:
-        return [run_session(w, tok, s, configs, scale, log) for s in sessions]
-    _shared = (w, tok, sessions, configs, scale, log)
+    if n_procs <= 1 or len(jobs) <= 1:
+        return [run_job(w, tok, j, configs, scale, log, temperature) for j in jobs]
+    _shared = (w, tok, jobs, configs, scale, log, temperature)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used on both sides of the fork
-    with multiprocessing.get_context("fork").Pool(min(jobs, len(sessions))) as pool:
-        return pool.map(_session_at, range(len(sessions)))
+    with multiprocessing.get_context("fork").Pool(min(n_procs, len(jobs))) as pool:
+        return pool.map(_job_at, range(len(jobs)))
 
 
 def run(args) -> int:
@@ -527,16 +680,36 @@ def run(args) -> int:
     w = model.load()
     tok = model.build_tokenizer(w.tokenizer_fields)
     log(f"model {w.path.name} loaded and dequantised in {time.perf_counter() - t0:.1f}s; compression backend: {compression.BACKEND}")
+    if args.quick and args.budgets == ",".join(map(str, BUDGETS)):
+        args.budgets = "64,128"
     budgets = [int(b) for b in args.budgets.split(",")]
     budgeted = [p for p in presets if p != "kara"]
     kara = [kara_config(int(w), int(u), float(r)) for w, u, r in (x.split("/") for x in args.kara.split(","))] \
         if "kara" in presets else []
     configs = [SeqConfig("full", None, None)] + [SeqConfig(f"{p}@{b}", p, b) for b in budgets for p in budgeted] + kara
     scale = args.scale if args.scale is not None else (0.2 if args.quick else 1.0)
-    names = args.sessions.split(",") if args.sessions else (["story"] if args.quick else [s.name for s in prompts.SESSIONS])
+    names = (args.sessions.split(",") if args.sessions else
+             (["story", "arithmetic"] if args.quick else [s.name for s in prompts.SESSIONS]))
     sessions = [s for s in prompts.SESSIONS if s.name in names]
     if args.quick:
         sessions = [dataclasses.replace(s, turns=s.turns[:2], probes=s.probes[:1]) for s in sessions]
+    seeds = [int(x) for x in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(",")]
+    kinds = (args.tasks or "needle,arithmetic").split(",") if args.tasks != "none" else []
+    if set(kinds) - {"needle", "arithmetic"}:
+        raise SystemExit(f"--tasks: unknown kinds {sorted(set(kinds) - {'needle', 'arithmetic'})}")
+    lengths = [int(x) for x in (args.task_lengths or ("512" if args.quick else ",".join(map(str, TASK_LENGTHS)))).split(",")]
+    depths = [float(x) for x in (args.task_depths or ("0.1,0.5,0.9" if args.quick else
+                                                      ",".join(f"{d:g}" for d in TASK_DEPTHS))).split(",")]
+    task_seeds = [int(x) for x in (args.task_seeds or "0").split(",")]
+    per_length = args.arithmetic_per_length if args.arithmetic_per_length is not None else (1 if args.quick else 2)
+    count = lambda text: len(tok.encode(text).ids)  # noqa: E731
+    task_list = tasklib.build(count, lengths, depths, task_seeds, per_length if "arithmetic" in kinds else 0)
+    task_list = [t for t in task_list if t.kind in kinds]
+    jobs = [("session", s, seed) for s in sessions for seed in seeds] + [("task", t) for t in task_list]
+    log(f"{len(sessions) * len(seeds)} conversations ({len(sessions)} sessions x seeds {seeds}, temperature "
+        f"{args.temperature:g}), {len(task_list)} tasks, {len(configs) - 1} configurations")
+    done = run_jobs(w, tok, jobs, configs, scale, log, args.jobs, args.temperature)
+    n_conv = len(sessions) * len(seeds)
     results = {
         "quick": args.quick,
         "scale": scale,
@@ -552,7 +725,12 @@ def run(args) -> int:
         "keepmap_layers": list(KEEPMAP_LAYERS),
         "configs": [dataclasses.asdict(c) for c in configs],
         "jobs": args.jobs,
-        "sessions": run_sessions(w, tok, sessions, configs, scale, log, args.jobs),
+        "temperature": args.temperature,
+        "seeds": seeds,
+        "task_lengths": lengths,
+        "task_depths": depths,
+        "sessions": done[:n_conv],
+        "tasks": done[n_conv:],
     }
     results["seconds"] = time.perf_counter() - t0
     out = pathlib.Path(args.out)

@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+import measures
+
 HERE = pathlib.Path(__file__).parent
 LABELS = {"zipage": "Zipage", "rkv": "R-KV", "gkv": "G-KV", "snapkv": "SnapKV", "h2o": "H2O", "streaming_llm": "StreamingLLM",
           "kv_compress": "KV-Compress", "hard_kv": "Hard-KV", "hard_kv_rkv": "Hard-KV (R-KV)", "kara": "Kara"}
@@ -25,50 +27,7 @@ PUBLISHED_KV_COMPRESS = {"protected_window": 64, "sinks": 0, "budget": "sequence
                          "compression_rate": 1.0, "metric_window": 32, "pool_kernel": 7, "excluded_distance": 0}
 
 
-def summarise(res: dict) -> dict:
-    """Per configuration name: pooled top-1 agreement, mean KL, probes right; per session too."""
-    names = [c["name"] for c in res["configs"]]
-    out = {n: {"agree": [], "kl": [], "cache": [], "right": 0, "asked": 0, "sessions": {}} for n in names}
-    for s in res["sessions"]:
-        for i, n in enumerate(names):
-            ag, kl = np.array(s["agree"][i]), np.array(s["kl"][i])
-            # Tokens attended at each measured step (runs before this was recorded: none).
-            cache = np.array(s["cache_tokens"][i], dtype=float) if "cache_tokens" in s else np.zeros(0)
-            out[n]["cache"].append(cache)
-            right = sum(p["right"][i] for p in s["probes"])
-            out[n]["agree"].append(ag)
-            out[n]["kl"].append(kl)
-            out[n]["right"] += right
-            out[n]["asked"] += len(s["probes"])
-            out[n]["sessions"][s["name"]] = {
-                "agree": float(ag.mean()),
-                "kl": float(kl.mean()),
-                "right": right,
-                "asked": len(s["probes"]),
-                "compressions": s["compressions"][i],
-                "cache": float(cache.mean()) if cache.size else None,
-                "final_length": s["final_lengths"][i] if "final_lengths" in s else None,
-            }
-    for n in names:
-        ag, kl = np.concatenate(out[n]["agree"]), np.concatenate(out[n]["kl"])
-        cache = np.concatenate(out[n]["cache"])
-        out[n]["agree"], out[n]["kl"] = float(ag.mean()), float(kl.mean())
-        out[n]["cache"] = float(cache.mean()) if cache.size == ag.size and cache.size else None
-        out[n]["agree_steps"], out[n]["kl_steps"] = ag, kl
-    return out
-
-
-def block_bootstrap(x: np.ndarray, rng, block: int = 64, draws: int = 2000) -> float:
-    """Half-width of a 95% interval of the mean of x, resampling blocks of consecutive steps
-    (steps in a block share a cache state, so they are not independent samples). Given the
-    per-step difference of two configurations, it is a paired interval: the passages that
-    are hard for every preset cancel out."""
-    n = len(x) // block
-    if n < 2:
-        return float("nan")
-    means = x[: n * block].reshape(n, block).mean(1)
-    picks = rng.integers(0, n, size=(draws, n))
-    return float(1.96 * means[picks].mean(1).std())
+summarise = measures.summarise  # per configuration: measures over its compressed steps (measures.py)
 
 
 def plot_agreement(res: dict, summ: dict, path: pathlib.Path) -> None:
@@ -95,7 +54,8 @@ def plot_agreement(res: dict, summ: dict, path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     steps = sum(s["measured_steps"] for s in res["sessions"])
-    fig.suptitle(f"SmolLM2-135M-Instruct, teacher-forced on the full cache's {steps} greedy tokens")
+    fig.suptitle(f"SmolLM2-135M-Instruct, teacher-forced on the full cache's {steps} sampled tokens "
+                 "(each configuration's steps after its first compression)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -106,7 +66,8 @@ def pick_keepmap(res: dict) -> tuple[str, int, int, int]:
     KV head 0: the session and budget where several compressions happen."""
     layers = res["keepmap_layers"]
     budget = 256 if 256 in res["budgets"] else res["budgets"][0]
-    session = next((s["name"] for s in res["sessions"] if s["name"] == "story"), res["sessions"][0]["name"])
+    session = next((s["name"] for s in res["sessions"] if s.get("session", s["name"]) == "story"),
+                   res["sessions"][0]["name"])
     return session, budget, len(layers) // 2, 0
 
 
@@ -160,17 +121,29 @@ def fmt_table(res: dict, summ: dict, key: str, fmt) -> list[str]:
 
 
 def paired(res: dict, summ: dict) -> list[str]:
-    rng = np.random.default_rng(0)
+    """Each preset against the best at its budget, for agreement and for KL: the paired
+    difference over the steps both had compressed, a 95% interval resampling conversations,
+    and the Holm-adjusted p-value over every comparison of that metric on the page."""
     out = []
-    for b in res["budgets"]:
-        order = sorted(budgeted(res), key=lambda p: -summ[f"{p}@{b}"]["agree"])
-        best = summ[f"{order[0]}@{b}"]["agree_steps"]
-        cells = []
-        for p in order[1:]:
-            d = summ[f"{p}@{b}"]["agree_steps"].astype(float) - best
-            cells.append(f"{LABELS[p]} {100 * d.mean():+.1f} ± {100 * block_bootstrap(d, rng):.1f}")
-        out.append(f"- budget {b}, against {LABELS[order[0]]}: " + "; ".join(cells))
+    for metric, scale, unit, fmt in (("agree", 100, "points", ".1f"), ("kl", 1, "nats", ".4f")):
+        comp = measures.comparisons(res, summ, budgeted(res), metric)
+        n = sum(len(c["rows"]) for c in comp.values())
+        out.append(f"- **{'top-1 agreement' if metric == 'agree' else 'KL'}** (in {unit}; {n} comparisons, Holm over "
+                   "all of them):")
+        for b, c in comp.items():
+            cells = []
+            for r in c["rows"]:
+                p = r["name"].split("@")[0]
+                sig = "" if not np.isfinite(r["p_holm"]) else (" *" if r["p_holm"] < 0.05 else "")
+                cells.append(f"{LABELS[p]} {scale * r['diff']:+{fmt}} [{scale * r['low']:+{fmt}}, "
+                             f"{scale * r['high']:+{fmt}}], p {r['p_holm']:.3g}{sig}")
+            out.append(f"  - budget {b}, against {LABELS[c['best'].split('@')[0]]}: " + "; ".join(cells))
     return out
+
+
+def ci(m: dict, key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
+    lo, hi = m[f"{key}_ci"]
+    return f"[{scale * lo:{fmt}}, {scale * hi:{fmt}}]" if np.isfinite(lo) else "[n/a]"
 
 
 def ranking(res: dict, summ: dict) -> list[str]:
@@ -179,9 +152,104 @@ def ranking(res: dict, summ: dict) -> list[str]:
         order = sorted(budgeted(res), key=lambda p: -summ[f"{p}@{b}"]["agree"])
         out.append(
             f"- budget {b}: "
-            + " > ".join(f"{LABELS[p]} ({100 * summ[f'{p}@{b}']['agree']:.1f}%, KL {summ[f'{p}@{b}']['kl']:.3f})" for p in order)
+            + " > ".join(f"{LABELS[p]} ({100 * summ[f'{p}@{b}']['agree']:.1f}% {ci(summ[f'{p}@{b}'], 'agree', 100)}, "
+                         f"KL {summ[f'{p}@{b}']['kl']:.3f} {ci(summ[f'{p}@{b}'], 'kl', 1, '.3f')})" for p in order)
         )
     return out
+
+
+def memory_table(res: dict, summ: dict) -> list[str]:
+    """Per configuration, what it held (means over its compressed steps, peaks over every
+    measured step) beside what it scored: the rows an equal-memory comparison reads."""
+    L = ["| configuration | per head: mean | per head: peak | per sequence: mean | per sequence: peak | peak block "
+         "slots | top-1 agreement % [95%] | KL [95%] | steps (before a first compression, left out) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(x, fmt=".0f"):
+        return "n/a" if x is None else f"{x:{fmt}}"
+    rows = [c["name"] for c in res["configs"] if c["preset"] is not None]
+    for n in sorted(rows, key=lambda n: (summ[n]["cache"] or 0, n)):
+        m = summ[n]
+        L.append(f"| {n} | {f(m['cache'])} | {f(m['peak_head'])} | {f(m['sequence_mean'])} | {f(m['sequence_peak'])} | "
+                 f"{f(m['peak_slots'])} | {100 * m['agree']:.1f} {ci(m, 'agree', 100)} | {m['kl']:.3f} "
+                 f"{ci(m, 'kl', 1, '.3f')} | {m['steps']} ({m['excluded']}) |")
+    return L
+
+
+def plot_equal_memory(res: dict, summ: dict, path: pathlib.Path) -> None:
+    """Agreement and KL against the memory each configuration held: mean tokens per (layer,
+    KV head) and the peak block slots of its sequence; one line per preset through its
+    budgets, so presets are compared where their lines sit at the same x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for p in budgeted(res):
+        ms = [summ[f"{p}@{b}"] for b in res["budgets"]]
+        ok = [m for m in ms if m["cache"] is not None and m["steps"]]
+        if not ok:
+            continue
+        for row, xkey in enumerate(("cache", "peak_slots")):
+            xs = [m[xkey] for m in ok]
+            axes[row, 0].plot(xs, [100 * m["agree"] for m in ok], marker="o", label=LABELS[p])
+            axes[row, 1].plot(xs, [m["kl"] for m in ok], marker="o", label=LABELS[p])
+    for row, xlabel in enumerate(("mean tokens held per (layer, KV head)", "peak block slots of the sequence (tokens)")):
+        axes[row, 0].set_ylabel("top-1 agreement with the full cache (%)")
+        axes[row, 1].set_ylabel("mean KL(full || compressed) (nats)")
+        axes[row, 1].set_yscale("log")
+        for ax in axes[row]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct at equal memory: {len(res['sessions'])} conversations, steps after each "
+                 "configuration's first compression")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def tasks_section(res: dict) -> list[str]:
+    """Accuracy on the exact-answer tasks, per preset and budget, over the tasks the full
+    cache answers right."""
+    acc = measures.task_accuracy(res)
+    if not acc["total"]:
+        return []
+    L = ["## Tasks with exact answers", "",
+         f"{acc['total']} tasks generated from seeds (`tools/fidelity/tasks.py`): needles (a four-digit locker number "
+         f"planted at depths {', '.join(f'{d:g}' for d in res.get('task_depths', []))} of contexts of "
+         f"{', '.join(map(str, res.get('task_lengths', [])))} tokens of filler prose, asked at the end) and word "
+         "problems (two quantities planted in the same kind of context, a sum, difference or product asked at "
+         "the end; right when the answer's last number is the result). The context is prefilled, every "
+         "configuration compressed to its budget, then the question fed and each configuration answers greedily "
+         "for itself. Only tasks the full cache answers right count; "
+         + (", ".join(f"{n} {k} task{'s' if n != 1 else ''}" for k, n in acc["dropped"].items()) or "none")
+         + " dropped for that.", ""]
+    for kind, table in acc["kinds"].items():
+        kept = table.get("full", (0, 0))[1]
+        L += [f"{kind.capitalize()} accuracy, right of {kept} kept (by context length below):", "",
+              "| preset | " + " | ".join(f"budget {b}" for b in res["budgets"]) + " |",
+              "|---|" + "---:|" * len(res["budgets"])]
+        for p in budgeted(res):
+            cells = []
+            for b in res["budgets"]:
+                r, k = table.get(f"{p}@{b}", (0, 0))
+                cells.append(f"{r}/{k}" if k else "n/a")
+            L.append(f"| {LABELS[p]} | " + " | ".join(cells) + " |")
+        lengths = sorted(acc["by_length"][kind])
+        L += ["", "| preset @ budget | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+              "|---|" + "---:|" * len(lengths)]
+        for p in budgeted(res):
+            for b in res["budgets"]:
+                cells = []
+                for n in lengths:
+                    r, k = acc["by_length"][kind][n].get(f"{p}@{b}", (0, 0))
+                    cells.append(f"{r}/{k}" if k else "n/a")
+                L.append(f"| {LABELS[p]} @ {b} | " + " | ".join(cells) + " |")
+        L.append("")
+    return L
 
 
 def same_reference(res: dict, kres: dict) -> bool:
@@ -336,13 +404,27 @@ def kara_section(kres: dict, ksumm: dict, res: dict, summ: dict, computed: bool 
     others = [c["name"] for c in kres["configs"] if c["preset"] not in (None, "kara")]
     if others:
         best = max(others, key=lambda n: ksumm[n]["agree"])
-        rng = np.random.default_rng(0)
-        cells = []
-        for c in kcfg:
-            d = ksumm[c["name"]]["agree_steps"].astype(float) - ksumm[best]["agree_steps"]
-            cells.append(f"{c['name']} {100 * d.mean():+.1f} ± {100 * block_bootstrap(d, rng):.1f}")
         L += ["", f"Each Kara configuration's agreement minus {best}'s, the best budgeted row of the same pass, in "
-              "points with a paired 95% interval (as above: blocks of 64 steps): " + "; ".join(cells) + "."]
+              "points, paired over the steps both had compressed, with a 95% interval resampling conversations: "
+              + "; ".join(kara_paired(kres, c["name"], best) for c in kcfg) + "."]
+    # Kara against SnapKV holding the same: the SnapKV row (either pass) nearest each Kara
+    # configuration's final size (tokens per head after the last turn, the mean over conversations).
+    snap = [(summ, f"snapkv@{bb}", "") for bb in res["budgets"] if "snapkv" in res["presets"]]
+    if kres is not res:
+        snap += [(ksumm, f"snapkv@{bb}", " (Kara's pass)") for bb in kres["budgets"] if "snapkv" in kres["presets"]]
+    if snap:
+        L += ["", "Kara against SnapKV at the same final size (the SnapKV budget whose final length is nearest Kara's "
+              "mean final length per head):", "", "| Kara | final size | agreement % | KL | SnapKV | final size | "
+              "agreement % | KL |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+        for c in kcfg:
+            m = ksumm[c["name"]]
+            fk = final_size(m)
+            cand = [(abs(final_size(sm[n]) - fk), sm, n, tag) for sm, n, tag in snap if n in sm]
+            if not cand:
+                continue
+            _, sm, n, tag = min(cand, key=lambda x: x[0])
+            L.append(f"| {c['name']} | {fk:.0f} | {100 * m['agree']:.1f} | {m['kl']:.3f} | {n}{tag} | "
+                     f"{final_size(sm[n]):.0f} | {100 * sm[n]['agree']:.1f} | {sm[n]['kl']:.3f} |")
     L += ["", "Planted facts, Kara's answers:", ""]
     for s in kres["sessions"]:
         for p in s["probes"]:
@@ -354,6 +436,27 @@ def kara_section(kres: dict, ksumm: dict, res: dict, summ: dict, computed: bool 
                 L.append(f"  - e.g. {kres['configs'][wrong[0]]['name']}: \"{p['answers'][wrong[0]].strip()}\"")
     L.append("")
     return L
+
+
+def final_size(m: dict) -> float:
+    """Tokens per (layer, KV head) after the last turn, the mean over conversations."""
+    xs = [v["final_length"] for v in m["sessions"].values() if v["final_length"] is not None]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def kara_paired(kres: dict, name: str, other: str) -> str:
+    idx = [c["name"] for c in kres["configs"]]
+    i, j = idx.index(name), idx.index(other)
+    a, b = [], []
+    for s in kres["sessions"]:
+        both = np.ones(len(s["agree"][i]), dtype=bool)
+        if "compressed" in s:
+            both = np.asarray(s["compressed"][i], bool) & np.asarray(s["compressed"][j], bool)
+        a.append(np.asarray(s["agree"][i], float)[both]), b.append(np.asarray(s["agree"][j], float)[both])
+    r = measures.stats.paired_conversation_bootstrap(a, b, np.random.default_rng(2))
+    if not np.isfinite(r["low"]):
+        return f"{name} {100 * r['diff']:+.1f} (one conversation: no interval)"
+    return f"{name} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]"
 
 
 def kv_compress_protocol(res: dict) -> list[str]:
@@ -391,9 +494,12 @@ def hard_kv_protocol(res: dict) -> list[str]:
     """The protocol's Hard-KV bullet: its counts per head and the live bytes its attention reads."""
     return [
         "- **Hard-KV** (`kvpolicy.HardKV`: window attention, group max of logits, w 8; max pool 7; calibrated top-p "
-        "p 0.9, bisection; protected window 32, 1 sink) keeps a count per (layer, KV head): the fewest tokens whose "
-        "calibrated mass reaches p, at most `upper = budget` (L_upper), so a head keeps at most what a uniform "
-        "preset keeps and the sequence's length is its largest head's. It lives in the paged cache with the "
+        "p 0.9 over the whole row, bisection on [1e-3, 1]; protected window 32, 1 sink; top-k union) keeps a count "
+        "per (layer, KV head): its calibrated top-p set union its top (item budget - protected) tokens by score, "
+        "at most `upper = budget` (L_upper), so a head keeps at most what a uniform preset keeps and the "
+        "sequence's length is its largest head's. The item budget (the union's floor) is L_upper / 2, and at "
+        "least the 33 protected tokens (`compression.hard_kv_item_budget`): the paper's experiments run with "
+        "L_lower = L_upper / 2, and an item budget of L_upper would make every head keep L_upper. It lives in the paged cache with the "
         "others, compressed by the same threshold trigger, with the cache's live bytes (`PagedCache(live=...)`, "
         "cautious update): a head's slots past its count hold tokens it dropped, which its attention here masks "
         "out and which a later compression neither scores nor keeps. Its cache column is the mean over its heads "
@@ -474,10 +580,8 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         L.append(f"| {label} | {r['max_abs_diff']:.2f} | {r['mean_abs_diff']:.3f} | {r['top1_agree']} | {r['kl_mean']:.4f} |")
     L += [
         "",
-        "The token ids are identical, and the NumPy model is about as far from llama.cpp as llama.cpp is "
-        "from itself when it only changes how it computes attention: a lower mean difference and KL, a max "
-        "difference between llama.cpp's two (its CPU backend rounds activations "
-        "to 8 bits in every quantised product and keeps K/V in fp16; the NumPy model stays in fp32). "
+        "The token ids are identical. " + measures.reference_sentence(m) + " (llama.cpp's CPU backend rounds "
+        "activations to 8 bits in every quantised product and keeps K/V in fp16; the NumPy model stays in fp32.) "
         "Greedy continuations agree until a near tie (the script prints where they part and the logit margin "
         "there). These logits are recorded in `tools/fidelity/tests/reference_logits.json` and checked by "
         "`tools/fidelity/tests/` (pytest) without llama-cpp-python.",
@@ -490,11 +594,12 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
             f"{len(s['probes'])} planted fact{'s' if len(s['probes']) != 1 else ''} asked at the end)"
             for s in sessions
         )
-        + ". The story session plants facts in its first turn (a story told to the model) and asks for them "
-        "after five more turns; the arithmetic session is bakery word problems worked step by step, with the "
-        "bakery's name (given in the first turn) asked at the end.",
-        "- **Reference**: sequence 0 of the cache keeps everything and decodes greedily; each assistant turn "
-        "ends at `<|im_end|>` or at its token cap.",
+        + ". Facts planted in a session's first turn are asked after its last.",
+        f"- **Reference**: sequence 0 of the cache keeps everything and samples each assistant turn at temperature "
+        f"{res.get('temperature', 0):g} with seeds {', '.join(map(str, res.get('seeds', [0])))} (one conversation per "
+        f"session and seed, {len(sessions)} in all, seeded by both: reproducible); each turn ends at `<|im_end|>` or "
+        f"at its token cap. Of the measured tokens, {100 * measures.repeated_share(res):.1f}% complete an 8-gram "
+        "already in the conversation's text (a loop rewards a preset that keeps the newest tokens).",
         f"- **Configurations**: every preset ({', '.join(LABELS[p] for p in budgeted(res))}) at budgets "
         f"{', '.join(map(str, budgets))}, {len(res['configs']) - 1} sequences "
         + ("of the same paged cache" if "kv_compress" not in res["presets"]
@@ -516,11 +621,19 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
     if "hard_kv" in res["presets"] or "hard_kv_rkv" in res["presets"]:
         L += hard_kv_protocol(res)
     L += [
-        "- **Metrics**, at every step where the reference picks an assistant token: top-1 agreement (the "
-        "configuration's argmax equals the reference's) and KL(reference || configuration), averaged over "
-        f"{sum(s['measured_steps'] for s in sessions)} steps. **Facts**: each question is asked on a copy of "
-        "every cache after the last turn; each configuration answers greedily for itself (the trigger still "
-        "running), and is right when its answer contains the fact.",
+        "- **Metrics**, at every step where the reference picks an assistant token "
+        f"({sum(s['measured_steps'] for s in sessions)} steps): top-1 agreement (the configuration's argmax equals "
+        "the reference's) and KL(reference || configuration), pooled over the steps after the configuration's "
+        "first compression (before it, it holds the full cache and agrees by construction; the memory table "
+        "says how many steps each leaves out). Intervals are 95% percentile intervals resampling conversations "
+        "(the independent unit: steps of one conversation share its text and cache states). **Memory**: budget "
+        f"B means tokens per (layer, KV head) after a compression, compressed back at B + {res['block_size']}; the "
+        "tables give what each configuration held: per head the mean over its heads (mean over the measured "
+        f"steps) and the largest head's (peak), per sequence the sum over its {ROWS} rows, and the peak token "
+        "slots of the blocks it held (a paged block holds a block of tokens in every row, a per-head block in "
+        "one). **Facts**: each question is asked on a copy of every cache after the last turn; each "
+        "configuration answers greedily for itself (the trigger still running), and is right when its answer "
+        "contains the fact; only facts the full cache of the same conversation answers count.",
         "",
         "## Results",
         "",
@@ -554,14 +667,20 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
                 )
                 + " |"
             )
-    L += ["", "Ordering by top-1 agreement at each budget:", ""] + ranking(res, summ)
+    L += ["", "Ordering by top-1 agreement at each budget (95% intervals over conversations):", ""] + ranking(res, summ)
     L += [
         "",
-        "How much of that ordering the data resolves: each preset's agreement minus the best one's at the same "
-        "budget, in points, with a paired 95% interval (bootstrap over blocks of 64 consecutive steps; every "
-        "preset is measured at the same steps). An interval that includes 0 does not separate the two.",
+        "How much of that ordering the data resolves: each preset minus the best one at the same budget, paired "
+        "over the steps both had compressed, a 95% interval resampling conversations and a bootstrap p-value "
+        "adjusted by Holm over every comparison of the metric (* below 0.05). An interval that includes 0 does "
+        "not separate the two.",
         "",
     ] + paired(res, summ)
+    L += ["", "## At equal memory", "",
+          "What each configuration held and scored, smallest mean first (a head-adaptive preset's per-head mean is "
+          "below its budget; compare rows of similar memory, not of equal budget):", ""] + memory_table(res, summ)
+    L += ["", "![agreement and KL against memory held](fidelity_equal_memory.png)", ""]
+    L += tasks_section(res)
     for preset in ("kv_compress", "hard_kv", "hard_kv_rkv"):
         if preset in res["presets"]:
             L += per_head_counts(res, preset)
@@ -641,6 +760,7 @@ def main(argv=None) -> int:
     docs = pathlib.Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     plot_agreement(res, summ, docs / "fidelity_agreement.png")
+    plot_equal_memory(res, summ, docs / "fidelity_equal_memory.png")
     caption = plot_keepmap(res, docs / "fidelity_keepmap.png")
     write_doc(res, summ, docs, caption, kres, ksumm)
     print("\n".join(ranking(res, summ)))
