@@ -154,7 +154,8 @@ def test_tokens_identical_when_the_budget_covers_every_length(device):
         adapter = Adapter(small_window(name), budget=None if trigger else big, trigger=trigger)
         out = run(model, inputs, 40, adapter)
         assert adapter.stats.compressions == 0 and adapter.stats.steps > 0
-        assert {k: o.generated_tokens for k, o in out.items()} == {k: o.generated_tokens for k, o in alone.items()}, name
+        tokens = {k: o.generated_tokens for k, o in out.items()}
+        assert tokens == {k: o.generated_tokens for k, o in alone.items()}, name
     # Detached: the shipped attention functions are back.
     from transformers.modeling_utils import AttentionInterface
     for name in adapter_module.WRAPPED_ATTENTION:

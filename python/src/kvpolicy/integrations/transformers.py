@@ -45,7 +45,6 @@ attention, and untested transformers versions.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from contextlib import nullcontext
