@@ -47,10 +47,11 @@ def sample_token(logits: np.ndarray, temperature: float, rng: np.random.Generato
 
 
 def repeated_ngram_flags(tokens, measured, n: int = 8) -> np.ndarray:
-    """For each index t in `measured` (positions in `tokens`): whether the n-gram ending at
-    t (tokens[t-n+1 .. t]) already occurred, ending earlier, anywhere in tokens[: t]. A
-    position with fewer than n tokens up to it is never repeated."""
-    tokens = [int(x) for x in tokens]
+    """For each index t in `measured` (positions in `tokens`: token ids, or any hashable
+    items): whether the n-gram ending at t (tokens[t-n+1 .. t]) already occurred, ending
+    earlier, anywhere in tokens[: t]. A position with fewer than n tokens up to it is never
+    repeated."""
+    tokens = list(tokens)
     seen = set()
     flags = {}
     want = set(int(t) for t in measured)
