@@ -64,9 +64,10 @@ def hard_kv_item_budget(preset: str, upper: int) -> int:
     keep between about L_upper / 2 and L_upper as their calibrated top-p sets need: the
     harness takes L_upper / 2 as the floor (our choice: their code takes k from the budget
     it is given), and at least the protected tokens (sinks and window), below which the
-    union adds nothing."""
+    union adds nothing; never above L_upper (an item's budget may not exceed the tokens
+    a compression finds, which the trigger makes more than L_upper)."""
     p = _policies[preset].params()
-    return max(upper // 2, p["protect_window"] + p["sinks"])
+    return min(upper, max(upper // 2, p["protect_window"] + p["sinks"]))
 
 
 def _results(preset: str, r, n: int) -> list[ItemResult]:

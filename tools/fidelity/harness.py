@@ -294,7 +294,7 @@ class Engine:
         self.attended[:] = len(tokens)
         for s in self.states:
             s.generated_since_compression = len(tokens)
-        self.held()  # the prompt's blocks count in the peaks
+        self.last_held = self.held()  # the prompt's blocks count in the peaks
         return np.repeat(logits[-1:], len(self.configs), axis=0)
 
     def compress_now(self) -> None:
@@ -309,7 +309,8 @@ class Engine:
             parts.append((self.per_head, self.per_head_ids))
         logits = decode_step(self.w, parts, tokens)
         self.attended[:] = self.cache_tokens()
-        self.held()  # peaks before the step's compression: the blocks the step's attention read
+        # What the step's attention read, before the step's compression (as `attended`).
+        self.last_held = self.held()
         self.step_count += 1
         self.clock += 1
         for s in self.states:
@@ -439,7 +440,7 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log, se
             # A step counts for a configuration once it has been compressed at least once
             # (before, it holds the full cache and agrees by construction).
             compressed.append([st.compressions > 0 for st in eng.states])
-            h = eng.held()
+            h = eng.last_held  # what these logits' attention read
             for k in held:
                 held[k].append(h[k])
             nxt = stats.sample_token(logits[0], temperature, rng)

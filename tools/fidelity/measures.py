@@ -2,8 +2,8 @@
 
 - `summarise`: per configuration, top-1 agreement and KL pooled over the steps measured
   after its first compression (a configuration not yet compressed holds the full cache and
-  agrees by construction), their intervals over conversations, the memory it held (mean
-  and peak tokens per head and per sequence, peak block slots) and the planted facts it
+  agrees by construction), their intervals over conversations, the memory it held at those
+  steps (mean and peak tokens per head and per sequence, peak block slots) and the planted facts it
   answered, counted only where the full cache of the same conversation answered them.
 - `comparisons`: each preset against the best one at the same budget, paired over the
   steps both have compressed, with conversation-bootstrap intervals and Holm-adjusted
@@ -66,17 +66,17 @@ def summarise(res: dict, seed: int = 0, draws: int = 4000) -> dict:
             "kl_steps": np.concatenate(kl) if kl else np.zeros(0),
             "cache": stats.pooled_mean(cache) if sum(len(x) for x in cache) else None,
         }
-        # Memory: means over the measured (compressed) steps, peaks over every measured step.
-        def peak(key):
-            xs = [np.asarray(s[key][i], dtype=float) for s in res["sessions"] if key in s]
-            xs = [x for x in xs if x.size]
-            return float(max(x.max() for x in xs)) if xs else None
+        # Memory: means and peaks over the measured steps after the first compression (the
+        # prompt before it is the same for every configuration), what the step's attention read.
         seq = _conv_arrays(res, i, "sequence_tokens")
+
+        def peak(key):
+            xs = [x for x in _conv_arrays(res, i, key) if x.size]
+            return float(max(x.max() for x in xs)) if xs else None
         m["sequence_mean"] = stats.pooled_mean(seq) if sum(len(x) for x in seq) else None
         m["peak_head"] = peak("peak_head_tokens")
         m["sequence_peak"] = peak("sequence_tokens")
-        slots = [s["peak_block_slots"][i] for s in res["sessions"] if "peak_block_slots" in s]
-        m["peak_slots"] = float(max(slots)) if slots else None
+        m["peak_slots"] = peak("block_slots")
         # Probes the full cache answered right, in the same conversation.
         right = asked = 0
         per = {}

@@ -141,6 +141,39 @@ def paired(res: dict, summ: dict) -> list[str]:
     return out
 
 
+def group_sessions(sessions: list[dict]) -> dict[str, list[dict]]:
+    """Conversations by session (the seeds of one session together), in order."""
+    by: dict[str, list[dict]] = {}
+    for s in sessions:
+        by.setdefault(s.get("session", s["name"]), []).append(s)
+    return by
+
+
+def per_session(res: dict, summ: dict) -> list[str]:
+    """Top-1 agreement per session (its conversations pooled over the seeds, steps after
+    each configuration's first compression) at the middle budget, one row per session."""
+    budgets = res["budgets"]
+    b = budgets[len(budgets) // 2]
+    by = group_sessions(res["sessions"])
+    L = ["", f"Per session at budget {b} (top-1 agreement %, each session's conversations pooled; the repeated "
+         "8-gram share of its measured tokens):", "",
+         "| session | conversations | repeated 8-grams % | " + " | ".join(LABELS[p] for p in budgeted(res)) + " |",
+         "|---|---:|---:|" + "---:|" * len(budgeted(res))]
+    for name, convs in by.items():
+        cells = []
+        for p in budgeted(res):
+            per = summ[f"{p}@{b}"]["sessions"]
+            steps = [(per[c["name"]]["agree"], int(np.sum(np.asarray(c["compressed"][
+                [x["name"] for x in res["configs"]].index(f"{p}@{b}")], bool))) if "compressed" in c
+                      else c["measured_steps"]) for c in convs]
+            n = sum(k for _, k in steps)
+            cells.append(f"{100 * sum(a * k for a, k in steps if k) / n:.1f}" if n else "n/a")
+        rep = [c.get("repeated_8gram_share", float("nan")) for c in convs]
+        share = np.average(rep, weights=[c["measured_steps"] for c in convs]) if all(np.isfinite(rep)) else float("nan")
+        L.append(f"| {name} | {len(convs)} | {100 * share:.1f} | " + " | ".join(cells) + " |")
+    return L
+
+
 def ci(m: dict, key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
     lo, hi = m[f"{key}_ci"]
     return f"[{scale * lo:{fmt}}, {scale * hi:{fmt}}]" if np.isfinite(lo) else "[n/a]"
@@ -588,11 +621,11 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "",
         "## Protocol",
         "",
-        f"- **Sessions** (`tools/fidelity/prompts.py`, written for this repository): "
+        f"- **Sessions** (`tools/fidelity/prompts.py`, written for this repository, each on its own subject): "
         + "; ".join(
-            f"'{s['name']}' ({s['prompt_tokens']}-token first turn, {len(s['assistant_answers'])} assistant turns, "
-            f"{len(s['probes'])} planted fact{'s' if len(s['probes']) != 1 else ''} asked at the end)"
-            for s in sessions
+            f"'{name}' ({c[0]['prompt_tokens']}-token first turn, {len(c[0]['assistant_answers'])} assistant turns, "
+            f"{len(c[0]['probes'])} planted fact{'s' if len(c[0]['probes']) != 1 else ''})"
+            for name, c in group_sessions(sessions).items()
         )
         + ". Facts planted in a session's first turn are asked after its last.",
         f"- **Reference**: sequence 0 of the cache keeps everything and samples each assistant turn at temperature "
@@ -653,20 +686,7 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
     ]
     for p in budgeted(res):
         L.append(f"| {LABELS[p]} | " + " | ".join(f"{summ[f'{p}@{b}']['right']}" for b in budgets) + " |")
-    L += ["", "Per session (top-1 agreement %, mean KL, facts right):", ""]
-    L += ["| preset | budget | " + " | ".join(s["name"] for s in sessions) + " |", "|---|---:|" + "---|" * len(sessions)]
-    for b in budgets:
-        for p in budgeted(res):
-            row = summ[f"{p}@{b}"]["sessions"]
-            L.append(
-                f"| {LABELS[p]} | {b} | "
-                + " | ".join(
-                    f"{100 * row[s['name']]['agree']:.1f}, {row[s['name']]['kl']:.3f}, "
-                    f"{row[s['name']]['right']}/{row[s['name']]['asked']}"
-                    for s in sessions
-                )
-                + " |"
-            )
+    L += per_session(res, summ)
     L += ["", "Ordering by top-1 agreement at each budget (95% intervals over conversations):", ""] + ranking(res, summ)
     L += [
         "",

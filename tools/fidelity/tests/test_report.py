@@ -79,11 +79,15 @@ def test_steps_before_the_first_compression_are_left_out():
     assert summ["full"]["steps"] == 4 * 40 and summ["full"]["excluded"] == 0
     # The same conversation four times: no spread between conversations.
     assert summ["snapkv@64"]["agree_ci"] == pytest.approx((22 / 30, 22 / 30))
-    # Memory: the mean over compressed steps, the peaks over every measured step.
+    # Memory: means and peaks over the compressed steps (every step for the full cache).
     assert summ["hard_kv@64"]["cache"] == pytest.approx(np.mean([40 + (t % 8) for t in range(10, 40)]))
     assert summ["hard_kv@64"]["peak_head"] == 47 + 5
     assert summ["hard_kv@64"]["sequence_peak"] == 90 * 47
-    assert summ["full"]["peak_slots"] == 90 * 160
+    assert summ["full"]["peak_head"] == 139 + 5 and summ["full"]["peak_slots"] == 90 * 96
+    for s in res["sessions"]:  # a peak before the first compression is not counted
+        s["block_slots"][1][0] = 10**6
+        s["block_slots"][1][20] = 90 * 128.0
+    assert measures.summarise(res, draws=10)["zipage@64"]["peak_slots"] == 90 * 128
 
 
 def test_probes_count_only_where_the_full_cache_is_right():
