@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The real-model fidelity harness (tools/fidelity, docs/fidelity.md): SmolLM2-135M-Instruct
-# in NumPy over a paged cache, every preset at budgets 128 / 256 / 512 compressed through
-# the kvpolicy Python package as it decodes, compared with the full cache (KV-Compress over
-# a per-head block cache of its own, in the same pass); then Kara's pass: windows of 128 /
-# 256 tokens compressed once each (trigger::periodic), beside SnapKV and StreamingLLM at
-# budget 768, a cache of about Kara's size.
+# in NumPy over a paged cache, every preset at budgets 64 / 96 / 128 / 256 / 512 compressed
+# through the kvpolicy Python package as it decodes, compared with the full cache
+# (KV-Compress over a per-head block cache of its own, in the same pass), on 20 sessions x 3
+# sampling seeds (temperature 0.7), then needle and word-problem tasks in contexts of 1k-6k
+# tokens; then Kara's pass: windows of 128 / 256 tokens compressed once each
+# (trigger::periodic), beside SnapKV at budgets 768 / 1024 / 1536, near Kara's final sizes.
 #
-#   scripts/fidelity.sh                   the measurement (about 17 minutes on 2 cores): writes
-#                                         docs/fidelity.md, docs/fidelity_*.png
-#   scripts/fidelity.sh --kara            Kara's pass alone (about 7 minutes), the page rewritten
-#                                         with the budgeted presets' last run (tools/fidelity/out)
-#   scripts/fidelity.sh --quick           a smoke test (a few minutes): the same pipeline on one
-#                                         short session; its page goes to tools/fidelity/out/quick/
+#   scripts/fidelity.sh                   the measurement: 60 conversations and 28 tasks (many
+#                                         hours on this 2-core machine: meant for a larger one);
+#                                         writes docs/fidelity.md, docs/fidelity_*.png
+#   scripts/fidelity.sh --kara            Kara's pass alone, the page rewritten with the
+#                                         budgeted presets' last run (tools/fidelity/out)
+#   scripts/fidelity.sh --quick           the whole protocol, small (about 7 minutes on 2 cores):
+#                                         2 short conversations, budgets 64 / 128, 3 needles and
+#                                         a word problem in 512 tokens, Kara on one session; its
+#                                         page goes to tools/fidelity/out/quick/
 #   scripts/fidelity.sh --check-reference also builds llama-cpp-python (10+ minutes, once) and
 #                                         compares the model with llama.cpp (reference_check.py)
 #
@@ -31,7 +35,7 @@ for arg in "$@"; do
     --kara) kara_only=1 ;;
     --check-reference) check_reference=1 ;;
     -h | --help)
-      sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)
@@ -82,13 +86,15 @@ fi
 # The model against its recorded llama.cpp logits, the paged cache and decode step.
 (cd "$here" && "$py" -m pytest -q tests)
 
-# Kara's pass: its windows, and two budgeted presets at a cache of about its size.
-kara=(--presets kara,snapkv,streaming_llm --budgets 768)
+# Kara's pass: its windows, and SnapKV at budgets about Kara's final sizes (the page pairs
+# each Kara configuration with the SnapKV budget nearest its final length); no tasks.
+kara=(--presets kara,snapkv --budgets 768,1024,1536 --tasks none)
 if ((quick)); then
   out=$here/out/quick
   (cd "$here" && "$py" harness.py --quick --out "$root/$out")
   # Scale 0.6: enough steps for a window of 128 to be compressed once.
-  (cd "$here" && "$py" harness.py --quick --scale 0.6 --presets kara --kara 128/16/0.5 --out "$root/$out/kara")
+  (cd "$here" && "$py" harness.py --quick --scale 0.6 --sessions story --tasks none --presets kara,snapkv \
+    --budgets 128 --kara 128/16/0.5 --out "$root/$out/kara")
   mkdir -p "$out/docs"
   (cd "$here" && "$py" report.py --results "$root/$out/results.json" --kara-results "$root/$out/kara/results.json" \
     --docs "$root/$out/docs")
