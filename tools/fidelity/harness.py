@@ -1,12 +1,20 @@
 """The fidelity protocol: one batch of configurations decoding the same conversation.
 
-Sequence 0 of the paged cache is the reference: the full cache, decoding greedily.
-Every other sequence is one (preset, budget) configuration fed the reference's tokens
-(teacher forcing) and compressed by the threshold trigger as it decodes. Because every
-configuration sees the same token at each step, one matrix product per weight serves
-them all; only attention, through each sequence's own block table and length, differs.
-At each step where the reference picks an assistant token, each configuration's logits
-are compared with the reference's: top-1 agreement and KL(reference || configuration).
+Sequence 0 of the paged cache is the reference: the full cache, sampling its answers
+(temperature TEMPERATURE, seeded by the session and the seed: each (session, seed) is one
+conversation, the same in every run). Every other sequence is one (preset, budget)
+configuration fed the reference's tokens (teacher forcing) and compressed by the
+threshold trigger as it decodes. Because every configuration sees the same token at each
+step, one matrix product per weight serves them all; only attention, through each
+sequence's own block table and length, differs. At each step where the reference picks
+an assistant token, each configuration's logits are compared with the reference's: top-1
+agreement and KL(reference || configuration), with whether it had been compressed yet
+(measures.py leaves out the steps before) and what its attention read (tokens per head,
+mean and largest; per sequence; block slots).
+
+The exact-answer tasks (tasks.py) run the same engine differently: the context is
+prefilled, every configuration compressed to its budget at once (Engine.compress_now),
+the question fed a token at a time, and each configuration answers for itself.
 
 KV-Compress (`kv_compress`) lives in a cache of its own, per-head blocks (per_head_cache.py):
 each (layer, KV head) of a sequence has its own table and length, and a compression frees
@@ -16,8 +24,10 @@ products with the others; only their attention reads the other cache. Its trigge
 threshold trigger's, on the tokens its heads hold together (PerHeadThreshold).
 
 Hard-KV (`hard_kv`) keeps a count per (layer, KV head) in the paged cache, at most the budget
-(its L_upper); the cache's live bytes (cautious update) say which slots each head holds,
-which its attention reads and its later compressions skip. The same trigger as the others.
+(its L_upper), its item budget the top-k union's floor (L_upper / 2: see
+compression.hard_kv_item_budget); the cache's live bytes (cautious update) say which slots
+each head holds, which its attention reads and its later compressions skip. The same
+trigger as the others.
 
 Kara (`--presets kara`) compresses a window at a time instead of to a budget: each of its
 configurations (|W|, |U|, r) is compressed by kvp::trigger::periodic's rule, every
