@@ -164,3 +164,21 @@ def test_page_is_computed_from_the_results(tmp_path):
         s["agree"][2] = [1] * 40
     text2 = report.write_doc(res2, report.summarise(res2), tmp_path, "caption")
     assert text2 != text and "73.3" not in text2
+
+
+def test_compare_runs():
+    import compare_runs
+
+    a, b = synthetic(), synthetic()
+    assert compare_runs.compare(a, b)["ok"]
+    b["sessions"][0]["kl"][2][20] += 0.5 * 120  # snapkv's pooled KL moves by 0.5
+    r = compare_runs.compare(a, b)
+    assert not r["ok"] and not r["configs"]["snapkv@64"]["ok"] and r["configs"]["zipage@64"]["ok"]
+    assert r["configs"]["snapkv@64"]["kl"][1] - r["configs"]["snapkv@64"]["kl"][0] == pytest.approx(0.5)
+    c = synthetic()
+    c["sessions"][1]["assistant_answers"] = ["b"]
+    c["tasks"][0]["answers"][0] = "4321"
+    r = compare_runs.compare(a, c)
+    assert r["answers_differ"] == ["s1#0"] and len(r["tasks_differ"]) == 1 and not r["ok"]
+    d = synthetic(n_conv=3)
+    assert compare_runs.compare(a, d)["missing"] == ["s3#0"]
