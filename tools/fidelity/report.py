@@ -174,6 +174,28 @@ def per_session(res: dict, summ: dict) -> list[str]:
     return L
 
 
+def block_check(res: dict, summ: dict) -> list[str]:
+    """Why the intervals resample conversations: within one, steps are correlated, so a
+    bootstrap of single steps (block 1) understates the spread; the half-width of a block
+    bootstrap of the pooled steps grows with the block length while blocks are shorter
+    than the correlation. Shown for the configuration with the most measured steps at the
+    middle budget."""
+    b = res["budgets"][len(res["budgets"]) // 2]
+    names = [f"{p}@{b}" for p in budgeted(res) if summ[f"{p}@{b}"]["steps"]]
+    if not names:
+        return []
+    n = max(names, key=lambda x: (summ[x]["steps"], x))
+    x = np.concatenate([np.asarray(a, float) for a in summ[n]["agree_conv"]])
+    prof = measures.stats.block_length_profile(x, np.random.default_rng(3), blocks=(1, 4, 16, 64, 256))
+    cells = ", ".join(f"{k}: {100 * v:.1f}" for k, v in prof.items() if np.isfinite(v))
+    lo, hi = summ[n]["agree_ci"]
+    conv = f"{100 * (hi - lo) / 2:.1f}" if np.isfinite(lo) else "n/a"
+    return ["", f"Block length: the half-width (points) of a bootstrap of {n}'s agreement over blocks of consecutive "
+            f"steps, by block length, {cells}; resampling conversations instead: {conv} (half the interval). A "
+            "half-width still growing at the longest block means steps stay correlated beyond it, which is why the "
+            "intervals here resample conversations."]
+
+
 def ci(m: dict, key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
     lo, hi = m[f"{key}_ci"]
     return f"[{scale * lo:{fmt}}, {scale * hi:{fmt}}]" if np.isfinite(lo) else "[n/a]"
@@ -695,7 +717,7 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         "adjusted by Holm over every comparison of the metric (* below 0.05). An interval that includes 0 does "
         "not separate the two.",
         "",
-    ] + paired(res, summ)
+    ] + paired(res, summ) + block_check(res, summ)
     L += ["", "## At equal memory", "",
           "What each configuration held and scored, smallest mean first (a head-adaptive preset's per-head mean is "
           "below its budget; compare rows of similar memory, not of equal budget):", ""] + memory_table(res, summ)
