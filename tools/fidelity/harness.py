@@ -74,6 +74,7 @@ BUDGETS = (64, 96, 128, 256, 512)
 # The reference samples (issue 46: greedy answers of this model ran into loops, which reward
 # recency); each (session, seed) is one conversation, seeded by both.
 TEMPERATURE = 0.7
+PROTOCOL = 2  # results.json's "protocol" (report.py includes notes.md only when written for it)
 SEEDS = (0, 1, 2)
 # Exact-answer tasks (tasks.py): context lengths in tokens, needle depths, answer caps.
 TASK_LENGTHS = (1024, 2048, 4096, 6144)
@@ -722,6 +723,9 @@ def run(args) -> int:
     done = run_jobs(w, tok, jobs, configs, scale, log, args.jobs, args.temperature)
     n_conv = len(sessions) * len(seeds)
     results = {
+        # 2: sampled references over 20 sessions and seeds, measures after the first
+        # compression, memory held, tasks (issue 46); 1: greedy, two sessions, every step.
+        "protocol": PROTOCOL,
         "quick": args.quick,
         "scale": scale,
         "backend": compression.BACKEND,

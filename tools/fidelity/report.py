@@ -196,6 +196,14 @@ def block_check(res: dict, summ: dict) -> list[str]:
             "intervals here resample conversations."]
 
 
+def notes_protocol(text: str) -> int:
+    """The protocol notes.md was written against: its `<!-- protocol N -->` line (1 without one)."""
+    import re
+
+    m = re.search(r"<!-- protocol (\d+) -->", text)
+    return int(m.group(1)) if m else 1
+
+
 def ci(m: dict, key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
     lo, hi = m[f"{key}_ci"]
     return f"[{scale * lo:{fmt}}, {scale * hi:{fmt}}]" if np.isfinite(lo) else "[n/a]"
@@ -741,7 +749,13 @@ def write_doc(res: dict, summ: dict, docs: pathlib.Path, keep_caption: str, kres
         L += kara_section(kres, ksumm, res, summ, computed)
     notes = HERE / "notes.md"
     if notes.exists() and not res["quick"] and res["backend"].startswith("kvpolicy"):
-        L += [notes.read_text().rstrip(), ""]
+        text = notes.read_text()
+        if notes_protocol(text) == res.get("protocol", 1):
+            L += [text.rstrip(), ""]
+        else:  # hand-written against another protocol's run: its numbers would not be these
+            L += ["## Reading the results", "",
+                  f"*`tools/fidelity/notes.md` discusses a run of protocol {notes_protocol(text)}; this page is protocol "
+                  f"{res.get('protocol', 1)}'s, so it is left out until it is rewritten against this run.*", ""]
     L += ["## The answers", ""]
     for s in sessions:
         for p in s["probes"]:

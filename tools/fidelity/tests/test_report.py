@@ -182,3 +182,13 @@ def test_compare_runs():
     assert r["answers_differ"] == ["s1#0"] and len(r["tasks_differ"]) == 1 and not r["ok"]
     d = synthetic(n_conv=3)
     assert compare_runs.compare(a, d)["missing"] == ["s3#0"]
+
+
+def test_notes_are_left_out_when_written_for_another_protocol(tmp_path):
+    res = synthetic()
+    res["quick"] = False
+    res["backend"] = "kvpolicy 0"
+    res["protocol"] = 2
+    text = report.write_doc(res, report.summarise(res), tmp_path, "caption")
+    assert "discusses a run of protocol 1" in text  # the committed notes.md predates protocol 2
+    assert report.notes_protocol("<!-- protocol 2 -->\n## Reading") == 2
