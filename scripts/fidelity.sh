@@ -12,7 +12,7 @@
 #                                         writes docs/fidelity.md, docs/fidelity_*.png
 #   scripts/fidelity.sh --kara            Kara's pass alone, the page rewritten with the
 #                                         budgeted presets' last run (tools/fidelity/out)
-#   scripts/fidelity.sh --quick           the whole protocol, small (about 7 minutes on 2 cores):
+#   scripts/fidelity.sh --quick           the whole protocol, small (about 10 minutes on 2 cores):
 #                                         2 short conversations, budgets 64 / 128, 3 needles and
 #                                         a word problem in 512 tokens, Kara on one session; its
 #                                         page goes to tools/fidelity/out/quick/
