@@ -263,7 +263,7 @@ def plot_equal_memory(res: dict, summ: dict, path: pathlib.Path) -> None:
         axes[row, 1].set_ylabel("mean KL(full || compressed) (nats)")
         axes[row, 1].set_yscale("log")
         for ax in axes[row]:
-            ax.set_xscale("log", base=2)
+            ax.set_xscale("log")  # base 10: matplotlib labels its minor ticks on spans under a decade
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
