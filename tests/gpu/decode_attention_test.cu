@@ -6,7 +6,8 @@
 // untouched; outputs poisoned before the call fully written, the row past the batch
 // not. Per-head caches, paged caches with per-head counts, a live mask (dropped-heavy
 // too), both, and plain; G 1 / 4 / 5 / 8, d 64 / 128, bf16 and f16; lengths 0 to
-// several thousand, not multiples of the block size; graph capture; refusals.
+// several thousand, not multiples of the block size; graph capture; refusals. Every
+// case runs the plain split kernel and the staged one (cuda_decode_attention::staged).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -39,12 +40,18 @@ T* raw(thrust::device_vector<T>& v) {
 enum class kind { per_head, counts, counts_tail, live, counts_live, plain };
 const char* name_of(kind k) {
   switch (k) {
-    case kind::per_head: return "per_head";
-    case kind::counts: return "counts";
-    case kind::counts_tail: return "counts_tail";
-    case kind::live: return "live";
-    case kind::counts_live: return "counts_live";
-    case kind::plain: return "plain";
+    case kind::per_head:
+      return "per_head";
+    case kind::counts:
+      return "counts";
+    case kind::counts_tail:
+      return "counts_tail";
+    case kind::live:
+      return "live";
+    case kind::counts_live:
+      return "counts_live";
+    case kind::plain:
+      return "plain";
   }
   return "?";
 }
@@ -63,7 +70,8 @@ std::vector<std::byte> item_queries(const kvp_test::decode_case& dc, const std::
   std::vector<std::byte> qi;
   const std::size_t row = static_cast<std::size_t>(dc.h_q()) * dc.d * dc.es();
   for (i32 s : items)
-    qi.insert(qi.end(), dc.q.begin() + static_cast<std::ptrdiff_t>(s * row), dc.q.begin() + static_cast<std::ptrdiff_t>((s + 1) * row));
+    qi.insert(qi.end(), dc.q.begin() + static_cast<std::ptrdiff_t>(s * row),
+              dc.q.begin() + static_cast<std::ptrdiff_t>((s + 1) * row));
   return qi;
 }
 
@@ -100,117 +108,126 @@ void check_against_host(kvp_test::decode_case dc, const run_options& o, const st
   const auto host_o = kvp::decode_rows::contiguous(host_out.data(), dc.h_q(), dc.d, dc.type);
   std::vector<std::uint8_t> live_bytes = dc.pg_live;
   if (per_head) {
-    const auto c = dc.per_head(dc.ph_k.data(), dc.ph_v.data(), host_metric.data(), dc.ph_table.data(), dc.ph_lengths.data(),
-                               o.positions ? ph_pos.data() : nullptr);
+    const auto c = dc.per_head(dc.ph_k.data(), dc.ph_v.data(), host_metric.data(), dc.ph_table.data(),
+                               dc.ph_lengths.data(), o.positions ? ph_pos.data() : nullptr);
     kvp::host::decode_attention(c, host_q, host_o, scale, host_batch,
                                 {.kind = o.metric, .excluded_distance = o.excluded_distance}, exact);
   } else {
     const auto c = dc.paged(dc.pg_k.data(), dc.pg_v.data(), dc.pg_table.data(), dc.pg_lengths.data(),
                             live ? live_bytes.data() : nullptr, o.positions ? pg_pos.data() : nullptr);
-    kvp::host::decode_attention(c, counts ? dc.counts(dc.pg_counts.data(), tail ? dc.pg_tail.data() : nullptr)
-                                         : kvp::decode_head_counts{},
-                                host_q, host_o,
-                                scale, host_batch,
-                                {.kind = o.metric, .excluded_distance = o.excluded_distance,
-                                 .scores = dc.scores(host_metric.data())},
-                                exact);
+    kvp::host::decode_attention(
+        c, counts ? dc.counts(dc.pg_counts.data(), tail ? dc.pg_tail.data() : nullptr) : kvp::decode_head_counts{},
+        host_q, host_o, scale, host_batch,
+        {.kind = o.metric, .excluded_distance = o.excluded_distance, .scores = dc.scores(host_metric.data())}, exact);
   }
 
-  // The device's: the output poisoned (0xFF: NaN in f16 and bf16), one row past the batch.
-  thrust::device_vector<std::byte> k = to_device(per_head ? dc.ph_k : dc.pg_k), v = to_device(per_head ? dc.ph_v : dc.pg_v);
-  thrust::device_vector<std::byte> q = to_device(qi);
-  thrust::device_vector<std::byte> out(out_elems * dc.es() + static_cast<std::size_t>(dc.h_q()) * dc.d * dc.es(),
-                                       std::byte{0xFF});
-  thrust::device_vector<float> metric = to_device(per_head ? dc.ph_metric : dc.pg_scores);
-  thrust::device_vector<i32> table = to_device(per_head ? dc.ph_table : dc.pg_table);
-  thrust::device_vector<i32> lengths = to_device(per_head ? dc.ph_lengths : dc.pg_lengths);
-  thrust::device_vector<i32> cnt = to_device(dc.pg_counts), tails = to_device(dc.pg_tail), pos = to_device(per_head ? dc.ph_positions : dc.pg_positions);
-  thrust::device_vector<std::uint8_t> lv = to_device(dc.pg_live);
-  thrust::device_vector<i32> seqs = to_device(items), qpos = to_device(query_positions), status(kvp::status_words, -1);
-  const kvp::decode_batch batch{.seqs = raw(seqs),
-                                .num_items = n,
-                                .layer = dc.layer,
-                                .query_positions = o.positions ? raw(qpos) : nullptr,
-                                .status = raw(status)};
-  const auto dq = kvp::decode_rows::contiguous(raw(q), dc.h_q(), dc.d, dc.type);
-  const auto dout = kvp::decode_rows::contiguous(raw(out), dc.h_q(), dc.d, dc.type);
-  cudaStream_t stream = nullptr;
-  KVP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const kvp::cuda_decode_attention attn{.stream = stream};
-  const kvp::decode_epilogue epi_ph{.kind = o.metric, .excluded_distance = o.excluded_distance};
-  const auto ph_view = dc.per_head(raw(k), raw(v), raw(metric), raw(table), raw(lengths), o.positions ? raw(pos) : nullptr);
-  const auto pg_view = dc.paged(raw(k), raw(v), raw(table), raw(lengths), live ? raw(lv) : nullptr,
-                                o.positions ? raw(pos) : nullptr);
-  const kvp::decode_head_counts hc = counts ? dc.counts(raw(cnt), tail ? raw(tails) : nullptr) : kvp::decode_head_counts{};
-  const kvp::decode_epilogue epi_pg{.kind = o.metric, .excluded_distance = o.excluded_distance, .scores = dc.scores(raw(metric))};
-  auto call = [&](void* temp, std::size_t& bytes) {
-    return per_head ? attn.attend(temp, bytes, ph_view, dq, dout, scale, batch, epi_ph)
-                    : attn.attend(temp, bytes, pg_view, hc, dq, dout, scale, batch, epi_pg);
-  };
-  std::size_t bytes = 0;
-  KVP_CUDA_CHECK(call(nullptr, bytes));
-  thrust::device_vector<std::byte> temp(bytes + 256);
-  void* t = raw(temp);
-  if (o.capture) {
-    cudaGraph_t graph{};
-    cudaGraphExec_t exec{};
-    KVP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const cudaError_t e = call(t, bytes);
-    KVP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    KVP_CUDA_CHECK(e);
-    KVP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    KVP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KVP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-  } else {
-    KVP_CUDA_CHECK(call(t, bytes));
-  }
-  KVP_CUDA_CHECK(cudaStreamSynchronize(stream));
-  KVP_CUDA_CHECK(cudaStreamDestroy(stream));
-  const std::vector<i32> st = to_host(status);
-  REQUIRE_NOTHROW(kvp::throw_if_error(st.data()));
-
-  // Output: relative L2 error per call and per (item, query head) row; empty rows zero.
-  const std::vector<std::byte> got = to_host(out);
-  double err = 0, ref = 0, worst_row = 0;
-  i32 nonfinite = 0, empty_nonzero = 0;
-  for (std::size_t r = 0; r < out_elems / dc.d; ++r) {
-    double e = 0, x = 0;
-    for (i32 i = 0; i < dc.d; ++i) {
-      const std::size_t at = r * dc.d + i;
-      const double g = kvp::load_as_float(got.data(), dc.type, static_cast<std::int64_t>(at));
-      nonfinite += !std::isfinite(g);
-      e += (g - exact[at]) * (g - exact[at]);
-      x += exact[at] * exact[at];
+  // The device's, with the plain and the staged split kernel: the output poisoned (0xFF:
+  // NaN in f16 and bf16), one row past the batch.
+  for (bool staged : {false, true}) {
+    CAPTURE(staged);
+    thrust::device_vector<std::byte> k = to_device(per_head ? dc.ph_k : dc.pg_k),
+                                     v = to_device(per_head ? dc.ph_v : dc.pg_v);
+    thrust::device_vector<std::byte> q = to_device(qi);
+    thrust::device_vector<std::byte> out(out_elems * dc.es() + static_cast<std::size_t>(dc.h_q()) * dc.d * dc.es(),
+                                         std::byte{0xFF});
+    thrust::device_vector<float> metric = to_device(per_head ? dc.ph_metric : dc.pg_scores);
+    thrust::device_vector<i32> table = to_device(per_head ? dc.ph_table : dc.pg_table);
+    thrust::device_vector<i32> lengths = to_device(per_head ? dc.ph_lengths : dc.pg_lengths);
+    thrust::device_vector<i32> cnt = to_device(dc.pg_counts), tails = to_device(dc.pg_tail),
+                               pos = to_device(per_head ? dc.ph_positions : dc.pg_positions);
+    thrust::device_vector<std::uint8_t> lv = to_device(dc.pg_live);
+    thrust::device_vector<i32> seqs = to_device(items), qpos = to_device(query_positions),
+                               status(kvp::status_words, -1);
+    const kvp::decode_batch batch{.seqs = raw(seqs),
+                                  .num_items = n,
+                                  .layer = dc.layer,
+                                  .query_positions = o.positions ? raw(qpos) : nullptr,
+                                  .status = raw(status)};
+    const auto dq = kvp::decode_rows::contiguous(raw(q), dc.h_q(), dc.d, dc.type);
+    const auto dout = kvp::decode_rows::contiguous(raw(out), dc.h_q(), dc.d, dc.type);
+    cudaStream_t stream = nullptr;
+    KVP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const kvp::cuda_decode_attention attn{.stream = stream, .staged = staged};
+    const kvp::decode_epilogue epi_ph{.kind = o.metric, .excluded_distance = o.excluded_distance};
+    const auto ph_view =
+        dc.per_head(raw(k), raw(v), raw(metric), raw(table), raw(lengths), o.positions ? raw(pos) : nullptr);
+    const auto pg_view =
+        dc.paged(raw(k), raw(v), raw(table), raw(lengths), live ? raw(lv) : nullptr, o.positions ? raw(pos) : nullptr);
+    const kvp::decode_head_counts hc =
+        counts ? dc.counts(raw(cnt), tail ? raw(tails) : nullptr) : kvp::decode_head_counts{};
+    const kvp::decode_epilogue epi_pg{
+        .kind = o.metric, .excluded_distance = o.excluded_distance, .scores = dc.scores(raw(metric))};
+    auto call = [&](void* temp, std::size_t& bytes) {
+      return per_head ? attn.attend(temp, bytes, ph_view, dq, dout, scale, batch, epi_ph)
+                      : attn.attend(temp, bytes, pg_view, hc, dq, dout, scale, batch, epi_pg);
+    };
+    std::size_t bytes = 0;
+    KVP_CUDA_CHECK(call(nullptr, bytes));
+    thrust::device_vector<std::byte> temp(bytes + 256);
+    void* t = raw(temp);
+    if (o.capture) {
+      cudaGraph_t graph{};
+      cudaGraphExec_t exec{};
+      KVP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const cudaError_t e = call(t, bytes);
+      KVP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      KVP_CUDA_CHECK(e);
+      KVP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      KVP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      KVP_CUDA_CHECK(cudaStreamSynchronize(stream));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    } else {
+      KVP_CUDA_CHECK(call(t, bytes));
     }
-    err += e, ref += x;
-    if (x > 0) worst_row = std::max(worst_row, std::sqrt(e / x));
-    else empty_nonzero += e > 0;  // a head that attended nothing: exactly zero
-  }
-  const double tol = dc.type == kvp::dtype::bf16 ? 1e-2 : 2e-3;
-  CHECK(nonfinite == 0);  // every poisoned element written
-  CHECK(empty_nonzero == 0);
-  CHECK(std::sqrt(err / std::max(ref, 1e-30)) <= tol);
-  CHECK(worst_row <= 2 * tol);
-  i32 past = 0;
-  for (std::size_t i = out_elems * dc.es(); i < got.size(); ++i) past += got[i] != std::byte{0xFF};
-  CHECK(past == 0);  // the row past the batch untouched
+    KVP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    KVP_CUDA_CHECK(cudaStreamDestroy(stream));
+    const std::vector<i32> st = to_host(status);
+    REQUIRE_NOTHROW(kvp::throw_if_error(st.data()));
 
-  // Metric / F: within the metric tests' tolerance; untouched where the host added nothing.
-  const std::vector<float> m = to_host(metric);
-  const std::vector<float>& m0 = per_head ? dc.ph_metric : dc.pg_scores;
-  float largest = 0.0f, worst = 0.0f;
-  i32 untouched_changed = 0, changed = 0;
-  for (std::size_t i = 0; i < m.size(); ++i) {
-    largest = std::max(largest, std::abs(host_metric[i]));
-    worst = std::max(worst, std::abs(m[i] - host_metric[i]));
-    untouched_changed += host_metric[i] == m0[i] && m[i] != m0[i];
-    changed += m[i] != m0[i];
+    // Output: relative L2 error per call and per (item, query head) row; empty rows zero.
+    const std::vector<std::byte> got = to_host(out);
+    double err = 0, ref = 0, worst_row = 0;
+    i32 nonfinite = 0, empty_nonzero = 0;
+    for (std::size_t r = 0; r < out_elems / dc.d; ++r) {
+      double e = 0, x = 0;
+      for (i32 i = 0; i < dc.d; ++i) {
+        const std::size_t at = r * dc.d + i;
+        const double g = kvp::load_as_float(got.data(), dc.type, static_cast<std::int64_t>(at));
+        nonfinite += !std::isfinite(g);
+        e += (g - exact[at]) * (g - exact[at]);
+        x += exact[at] * exact[at];
+      }
+      err += e, ref += x;
+      if (x > 0)
+        worst_row = std::max(worst_row, std::sqrt(e / x));
+      else
+        empty_nonzero += e > 0;  // a head that attended nothing: exactly zero
+    }
+    const double tol = dc.type == kvp::dtype::bf16 ? 1e-2 : 2e-3;
+    CHECK(nonfinite == 0);  // every poisoned element written
+    CHECK(empty_nonzero == 0);
+    CHECK(std::sqrt(err / std::max(ref, 1e-30)) <= tol);
+    CHECK(worst_row <= 2 * tol);
+    i32 past = 0;
+    for (std::size_t i = out_elems * dc.es(); i < got.size(); ++i) past += got[i] != std::byte{0xFF};
+    CHECK(past == 0);  // the row past the batch untouched
+
+    // Metric / F: within the metric tests' tolerance; untouched where the host added nothing.
+    const std::vector<float> m = to_host(metric);
+    const std::vector<float>& m0 = per_head ? dc.ph_metric : dc.pg_scores;
+    float largest = 0.0f, worst = 0.0f;
+    i32 untouched_changed = 0, changed = 0;
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      largest = std::max(largest, std::abs(host_metric[i]));
+      worst = std::max(worst, std::abs(m[i] - host_metric[i]));
+      untouched_changed += host_metric[i] == m0[i] && m[i] != m0[i];
+      changed += m[i] != m0[i];
+    }
+    CHECK(worst <= 1e-4f * std::max(largest, 1.0f));
+    CHECK(untouched_changed == 0);
+    if (o.metric == kvp::decode_metric::none) CHECK(changed == 0);
   }
-  CHECK(worst <= 1e-4f * std::max(largest, 1.0f));
-  CHECK(untouched_changed == 0);
-  if (o.metric == kvp::decode_metric::none) CHECK(changed == 0);
 }
 
 }  // namespace
@@ -226,7 +243,9 @@ TEST_CASE("decode attention on the GPU: per-head caches against the host, G 1/4/
       }
 }
 
-TEST_CASE("decode attention on the GPU: paged caches (counts, counts and tail, live, both, plain) against the host, F by H2O's sums") {
+TEST_CASE(
+    "decode attention on the GPU: paged caches (counts, counts and tail, live, both, plain) against the host, F by "
+    "H2O's sums") {
   std::uint32_t seed = 200;
   for (kind k : {kind::counts, kind::counts_tail, kind::live, kind::counts_live, kind::plain})
     for (i32 d : {64, 128}) {
@@ -261,13 +280,15 @@ TEST_CASE("decode attention on the GPU: long and empty rows, dropped-heavy masks
 
   kvp_test::decode_case excluded;
   excluded.seed = 304;
-  check_against_host(excluded, {.k = kind::per_head, .metric = kvp::decode_metric::squared, .excluded_distance = 3}, {0, 2});
-  check_against_host(excluded,
-                     {.k = kind::per_head, .metric = kvp::decode_metric::squared, .excluded_distance = 40, .positions = true},
+  check_against_host(excluded, {.k = kind::per_head, .metric = kvp::decode_metric::squared, .excluded_distance = 3},
                      {0, 2});
-  check_against_host(excluded,
-                     {.k = kind::counts_tail, .metric = kvp::decode_metric::probability, .excluded_distance = 7, .positions = true},
-                     {1, 0});
+  check_against_host(
+      excluded,
+      {.k = kind::per_head, .metric = kvp::decode_metric::squared, .excluded_distance = 40, .positions = true}, {0, 2});
+  check_against_host(
+      excluded,
+      {.k = kind::counts_tail, .metric = kvp::decode_metric::probability, .excluded_distance = 7, .positions = true},
+      {1, 0});
 }
 
 TEST_CASE("decode attention on the GPU: a captured graph computes what the plain call does") {
@@ -345,15 +366,15 @@ TEST_CASE("decode attention on the GPU: refusals name the field; a bad item writ
   q96.head_dim = o96.head_dim = 96;
   q96.head_stride = o96.head_stride = 96;
   q96.item_stride = o96.item_stride = 96 * dc.h_q();
-  CHECK_THROWS_WITH_AS(attn.attend(raw(temp), bytes, view96, q96, o96, 0.1f, batch, sq), doctest::Contains("cache.head_dim"),
-                       kvp::error);
+  CHECK_THROWS_WITH_AS(attn.attend(raw(temp), bytes, view96, q96, o96, 0.1f, batch, sq),
+                       doctest::Contains("cache.head_dim"), kvp::error);
   kvp::decode_batch no_status = batch;
   no_status.status = nullptr;
-  CHECK_THROWS_WITH_AS(attn.attend(raw(temp), bytes, view, dq, dout, 0.1f, no_status, sq), doctest::Contains("batch.status"),
-                       kvp::error);
+  CHECK_THROWS_WITH_AS(attn.attend(raw(temp), bytes, view, dq, dout, 0.1f, no_status, sq),
+                       doctest::Contains("batch.status"), kvp::error);
   std::size_t too_few = bytes - 1;
-  CHECK_THROWS_WITH_AS(attn.attend(raw(temp), too_few, view, dq, dout, 0.1f, batch, sq), doctest::Contains("temp_bytes"),
-                       kvp::error);
+  CHECK_THROWS_WITH_AS(attn.attend(raw(temp), too_few, view, dq, dout, 0.1f, batch, sq),
+                       doctest::Contains("temp_bytes"), kvp::error);
   auto q_odd = dq;
   q_odd.head_stride = dc.d + 1, q_odd.item_stride = (dc.d + 1) * dc.h_q();
   CHECK_THROWS_WITH_AS(attn.attend(raw(temp), bytes, view, q_odd, dout, 0.1f, batch, sq),

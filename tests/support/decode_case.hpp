@@ -59,7 +59,8 @@ struct decode_case {
     std::uniform_real_distribution<float> unit(0.0f, 1.0f);
     auto fill = [&](std::vector<std::byte>& v, std::size_t n, float sd) {
       v.resize(n * es());
-      for (std::size_t i = 0; i < n; ++i) kvp::store_from_float(v.data(), type, static_cast<std::int64_t>(i), sd * normal(rng));
+      for (std::size_t i = 0; i < n; ++i)
+        kvp::store_from_float(v.data(), type, static_cast<std::int64_t>(i), sd * normal(rng));
     };
     // Per-head: lengths [L, S, H]; tables [L, S, H, max_blocks], ids shuffled over one pool.
     for (i32 i = 0; i < layers * seqs * heads; ++i) ph_lengths.push_back(len(rng));
@@ -76,8 +77,8 @@ struct decode_case {
     ph_positions.assign(static_cast<std::size_t>(ph_blocks) * b, 0);
     for (i32 r = 0; r < layers * seqs * heads; ++r)
       for (i32 t = 0; t < ph_lengths[static_cast<std::size_t>(r)]; ++t)
-        ph_positions[static_cast<std::size_t>(ph_table[static_cast<std::size_t>(r) * ph_max_blocks + t / b]) * b + t % b] =
-            3 * t + r % 5;  // increasing, not the index
+        ph_positions[static_cast<std::size_t>(ph_table[static_cast<std::size_t>(r) * ph_max_blocks + t / b]) * b +
+                     t % b] = 3 * t + r % 5;  // increasing, not the index
 
     // Paged: lengths [S]; tails (a compaction's new length) <= length; counts [L, S, H]
     // <= tail; table [S, max_blocks], ids shuffled.

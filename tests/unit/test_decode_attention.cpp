@@ -48,8 +48,7 @@ struct hand_case {
 TEST_CASE("decode attention (host): a hand-computed case, its squared and plain metric, the excluded distance") {
   hand_case hc;
   kvp::decode_batch batch{.num_items = 1};
-  kvp::host::decode_attention(hc.view(), hc.queries(), hc.output(), 1.0f, batch,
-                              {.kind = kvp::decode_metric::squared});
+  kvp::host::decode_attention(hc.view(), hc.queries(), hc.output(), 1.0f, batch, {.kind = kvp::decode_metric::squared});
   CHECK(hc.out[0] == doctest::Approx(0.4 * 1 + 0.2 * 3 + 0.4 * 5));
   CHECK(hc.out[1] == doctest::Approx(0.4 * 2 + 0.2 * 4 + 0.4 * 6));
   CHECK(hc.out[2] == doctest::Approx(25.0 / 7));
@@ -80,13 +79,14 @@ namespace {
 // The naive formula: softmax over the head's attended tokens of scale * q . k, in
 // double, tokens read from the case's arrays by index (not through the views).
 struct naive_head {
-  std::vector<double> out;       // [G][d]
-  std::vector<double> sums;      // per attended token: sum over g of p (or p^2)
-  std::vector<std::size_t> slot; // its metric slot
+  std::vector<double> out;        // [G][d]
+  std::vector<double> sums;       // per attended token: sum over g of p (or p^2)
+  std::vector<std::size_t> slot;  // its metric slot
 };
 
-naive_head naive(const kvp_test::decode_case& dc, const std::vector<std::size_t>& k_rows, const std::vector<std::size_t>& slots,
-                 const std::vector<std::byte>& K, const std::vector<std::byte>& V, i32 seq, i32 h, float scale, bool squared) {
+naive_head naive(const kvp_test::decode_case& dc, const std::vector<std::size_t>& k_rows,
+                 const std::vector<std::size_t>& slots, const std::vector<std::byte>& K,
+                 const std::vector<std::byte>& V, i32 seq, i32 h, float scale, bool squared) {
   naive_head r;
   r.out.assign(static_cast<std::size_t>(dc.G) * dc.d, 0.0);
   r.sums.assign(k_rows.size(), 0.0);
@@ -97,8 +97,9 @@ naive_head naive(const kvp_test::decode_case& dc, const std::vector<std::size_t>
     for (std::size_t j = 0; j < k_rows.size(); ++j) {
       double dot = 0;
       for (i32 i = 0; i < dc.d; ++i)
-        dot += double(kvp::load_as_float(dc.q.data(), dc.type, (std::int64_t{seq} * dc.h_q() + h * dc.G + g) * dc.d + i)) *
-               kvp::load_as_float(K.data(), dc.type, static_cast<std::int64_t>(k_rows[j]) * dc.d + i);
+        dot +=
+            double(kvp::load_as_float(dc.q.data(), dc.type, (std::int64_t{seq} * dc.h_q() + h * dc.G + g) * dc.d + i)) *
+            kvp::load_as_float(K.data(), dc.type, static_cast<std::int64_t>(k_rows[j]) * dc.d + i);
       z[j] = dot * scale;
       m = std::max(m, z[j]);
     }
@@ -108,14 +109,15 @@ naive_head naive(const kvp_test::decode_case& dc, const std::vector<std::size_t>
       const double p = z[j] / s;
       r.sums[j] += squared ? p * p : p;
       for (i32 i = 0; i < dc.d; ++i)
-        r.out[static_cast<std::size_t>(g) * dc.d + i] += p * kvp::load_as_float(V.data(), dc.type, static_cast<std::int64_t>(k_rows[j]) * dc.d + i);
+        r.out[static_cast<std::size_t>(g) * dc.d + i] +=
+            p * kvp::load_as_float(V.data(), dc.type, static_cast<std::int64_t>(k_rows[j]) * dc.d + i);
     }
   }
   return r;
 }
 
-void check_head(const kvp_test::decode_case& dc, const naive_head& want, const std::vector<double>& exact, i32 item, i32 h,
-                const std::vector<float>& metric, const std::vector<float>& metric0) {
+void check_head(const kvp_test::decode_case& dc, const naive_head& want, const std::vector<double>& exact, i32 item,
+                i32 h, const std::vector<float>& metric, const std::vector<float>& metric0) {
   for (i32 g = 0; g < dc.G; ++g)
     for (i32 i = 0; i < dc.d; ++i)
       CHECK(exact[(static_cast<std::size_t>(item) * dc.h_q() + h * dc.G + g) * dc.d + i] ==
@@ -147,16 +149,18 @@ TEST_CASE("decode attention (host): per-head, counts, live and plain paged cache
 
     SUBCASE("per-head cache, squared metric") {
       std::vector<float> metric = dc.ph_metric;
-      const auto c = dc.per_head(dc.ph_k.data(), dc.ph_v.data(), metric.data(), dc.ph_table.data(), dc.ph_lengths.data());
+      const auto c =
+          dc.per_head(dc.ph_k.data(), dc.ph_v.data(), metric.data(), dc.ph_table.data(), dc.ph_lengths.data());
       kvp::host::decode_attention(c, qv, ov, scale, batch, {.kind = kvp::decode_metric::squared}, exact);
       for (std::size_t it = 0; it < items.size(); ++it)
         for (i32 h = 0; h < dc.heads; ++h) {
           const std::size_t r = (static_cast<std::size_t>(dc.layer) * dc.seqs + items[it]) * dc.heads + h;
           std::vector<std::size_t> rows;
           for (i32 tok = 0; tok < dc.ph_lengths[r]; ++tok)
-            rows.push_back(static_cast<std::size_t>(dc.ph_table[r * dc.ph_max_blocks + tok / dc.b]) * dc.b + tok % dc.b);
-          check_head(dc, naive(dc, rows, rows, dc.ph_k, dc.ph_v, items[it], h, scale, true), exact, static_cast<i32>(it),
-                     h, metric, dc.ph_metric);
+            rows.push_back(static_cast<std::size_t>(dc.ph_table[r * dc.ph_max_blocks + tok / dc.b]) * dc.b +
+                           tok % dc.b);
+          check_head(dc, naive(dc, rows, rows, dc.ph_k, dc.ph_v, items[it], h, scale, true), exact,
+                     static_cast<i32>(it), h, metric, dc.ph_metric);
         }
     }
     SUBCASE("paged cache: counts, live mask, both, plain, counts and tail; F gets the plain probabilities") {
@@ -170,7 +174,8 @@ TEST_CASE("decode attention (host): per-head, counts, live and plain paged cache
         const kvp::decode_head_counts hc =
             counts ? dc.counts(dc.pg_counts.data(), tail ? dc.pg_tail.data() : nullptr) : kvp::decode_head_counts{};
         kvp::host::decode_attention(c, hc, qv, ov, scale, batch,
-                                    {.kind = kvp::decode_metric::probability, .scores = dc.scores(scores.data())}, exact);
+                                    {.kind = kvp::decode_metric::probability, .scores = dc.scores(scores.data())},
+                                    exact);
         for (std::size_t it = 0; it < items.size(); ++it)
           for (i32 h = 0; h < dc.heads; ++h) {
             const i32 s = items[it];
@@ -180,8 +185,10 @@ TEST_CASE("decode attention (host): per-head, counts, live and plain paged cache
             std::vector<std::size_t> rows, slots;
             for (i32 tok = 0; tok < L; ++tok) {
               if (tok >= n && tok < from) continue;  // dropped by the compaction, before the tail
-              const std::size_t blk = static_cast<std::size_t>(dc.pg_table[static_cast<std::size_t>(s) * dc.pg_max_blocks + tok / dc.b]);
-              const std::size_t slot = ((static_cast<std::size_t>(dc.layer) * dc.pg_blocks + blk) * dc.b + tok % dc.b) * dc.heads + h;
+              const std::size_t blk =
+                  static_cast<std::size_t>(dc.pg_table[static_cast<std::size_t>(s) * dc.pg_max_blocks + tok / dc.b]);
+              const std::size_t slot =
+                  ((static_cast<std::size_t>(dc.layer) * dc.pg_blocks + blk) * dc.b + tok % dc.b) * dc.heads + h;
               if (live && dc.pg_live[slot] == 0) continue;
               rows.push_back(slot), slots.push_back(slot);
             }
@@ -201,7 +208,8 @@ TEST_CASE("decode attention (host): a head that attends nothing writes zeros and
   std::vector<float> out(static_cast<std::size_t>(dc.h_q()) * dc.d, -7.0f);
   const auto c = dc.paged(dc.pg_k.data(), dc.pg_v.data(), dc.pg_table.data(), dc.pg_lengths.data(), dc.pg_live.data());
   const std::vector<i32> items = {1};
-  kvp::host::decode_attention(c, {}, kvp::decode_rows::contiguous(dc.q.data() + dc.h_q() * dc.d * 4, dc.h_q(), dc.d, dc.type),
+  kvp::host::decode_attention(c, {},
+                              kvp::decode_rows::contiguous(dc.q.data() + dc.h_q() * dc.d * 4, dc.h_q(), dc.d, dc.type),
                               kvp::decode_rows::contiguous(out.data(), dc.h_q(), dc.d, dc.type), 1.0f,
                               {.seqs = items.data(), .num_items = 1, .layer = 1},
                               {.kind = kvp::decode_metric::squared, .scores = dc.scores(scores.data())});
@@ -244,7 +252,8 @@ TEST_CASE("decode attention (host): refusals name the field and write nothing") 
   refused([&] { kvp::host::decode_attention(c, q, o, 1.0f, {.num_items = 1, .layer = 1}, sq); },
           "cache.lengths[layer 1][seq 0][head 1]");
   lengths = dc.ph_lengths;
-  refused([&] { kvp::host::decode_attention(c, q, o, 1.0f, {.num_items = 1, .max_tokens = 1}, sq); }, "batch.max_tokens");
+  refused([&] { kvp::host::decode_attention(c, q, o, 1.0f, {.num_items = 1, .max_tokens = 1}, sq); },
+          "batch.max_tokens");
   table[0] = dc.ph_blocks;  // layer 0, seq 0, head 0, entry 0
   refused([&] { kvp::host::decode_attention(c, q, o, 1.0f, {.num_items = 1}, sq); },
           "cache.table[layer 0][seq 0][head 0][0]");

@@ -33,6 +33,7 @@
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/exec/cuda/decode_attention_kernel.cuh"
 #include "kvpolicy/exec/cuda/decode_attention_sources.cuh"
+#include "kvpolicy/exec/cuda/decode_attention_staged_kernel.cuh"
 #include "kvpolicy/exec/cuda/decode_attention_tuning.cuh"
 #include "kvpolicy/exec/cuda/launch.cuh"
 #include "kvpolicy/exec/cuda/tuning.cuh"
@@ -52,6 +53,7 @@ struct decode_attention_plan {
   std::int32_t group_chunk = 0;   // query heads per split block
   std::int32_t group_chunks = 0;
   std::int32_t metric_tokens = 0;  // tokens per combine block (epilogue)
+  bool staged = false;             // the split step's K and V staged through shared memory
   std::size_t stats_bytes = 0, partial_bytes = 0, logits_bytes = 0, temp_bytes = 0;
 };
 
@@ -69,8 +71,8 @@ inline std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) /
 
 // Every row 16-byte aligned: the kernels read K, V and queries 16 bytes a lane.
 inline void check_alignment(std::int64_t stride_elems, dtype t, const char* field) {
-  require((stride_elems * size_of(t)) % 16 == 0, field, "is {} elements ({} bytes); the GPU reads rows 16 bytes at a time",
-          stride_elems, stride_elems * size_of(t));
+  require((stride_elems * size_of(t)) % 16 == 0, field,
+          "is {} elements ({} bytes); the GPU reads rows 16 bytes at a time", stride_elems, stride_elems * size_of(t));
 }
 inline void check_pointer(const void* p, const char* field) {
   require(reinterpret_cast<std::uintptr_t>(p) % 16 == 0, field, "address {} is not 16-byte aligned", p);
@@ -88,7 +90,8 @@ inline void check_device_shape(std::int32_t d, dtype t, const decode_rows& q, co
 }
 
 inline decode_attention_plan make_decode_plan(std::int32_t items, std::int32_t kv_heads, std::int32_t G, std::int32_t d,
-                                              std::int32_t max_tokens, std::int32_t block_size, bool epilogue) {
+                                              std::int32_t max_tokens, std::int32_t block_size, bool epilogue,
+                                              bool live, bool staged) {
   using tuning = decode_attention_tuning;
   decode_attention_plan p;
   p.rows = items * kv_heads;
@@ -116,14 +119,21 @@ inline decode_attention_plan make_decode_plan(std::int32_t items, std::int32_t k
   const std::int64_t split_blocks = std::int64_t{p.rows} * p.splits * p.group_chunks;
   require(split_blocks < (std::int64_t{1} << 31), "batch", "needs {} split blocks; at most 2^31 - 1 fit a grid",
           split_blocks);
-  const std::int32_t parts = epilogue ? std::max<std::int32_t>(1, (max_tokens + p.metric_tokens - 1) / p.metric_tokens) : 1;
+  const std::int32_t parts =
+      epilogue ? std::max<std::int32_t>(1, (max_tokens + p.metric_tokens - 1) / p.metric_tokens) : 1;
   require(parts <= 65535, "batch.max_tokens", "is {}; the metric epilogue covers at most {} tokens", max_tokens,
           std::int64_t{65535} * p.metric_tokens);
   // The span's table entries: up to two partial blocks at each end of its two parts.
   const std::size_t table = (static_cast<std::size_t>(p.split_tokens) / static_cast<std::size_t>(block_size) + 4) * 4;
   p.validate = {"decode_validate_kernel", static_cast<unsigned>(items), 1, tuning::combine_threads, 0};
-  p.split = {d == 64 ? "decode_attention_split_kernel<d 64>" : "decode_attention_split_kernel<d 128>",
-             static_cast<unsigned>(split_blocks), 1, tuning::threads, table};
+  if (staged)
+    p.split = {d == 64 ? "decode_attention_staged_kernel<d 64>" : "decode_attention_staged_kernel<d 128>",
+               static_cast<unsigned>(split_blocks), 1, tuning::threads,
+               decode_staged_layout::bytes(p.split_tokens, block_size, live)};
+  else
+    p.split = {d == 64 ? "decode_attention_split_kernel<d 64>" : "decode_attention_split_kernel<d 128>",
+               static_cast<unsigned>(split_blocks), 1, tuning::threads, table};
+  p.staged = staged;
   p.combine = {"decode_attention_combine_kernel", static_cast<unsigned>(p.rows), static_cast<unsigned>(parts),
                tuning::combine_threads, static_cast<std::size_t>(G) * sizeof(float2)};
   return p;
@@ -135,10 +145,30 @@ void launch_decode(const decode_attention_plan& p, cudaStream_t stream, const So
     launch(p.validate, stream, false, decode_validate_per_head_kernel<>, src, s);
   else
     launch(p.validate, stream, false, decode_validate_paged_kernel<Source::live>, src, s);
-  switch (p.group_chunk) {
-    case 1: launch(p.split, stream, false, decode_attention_split_kernel<Source, D, 1, E>, src, s); break;
-    case 2: launch(p.split, stream, false, decode_attention_split_kernel<Source, D, 2, E>, src, s); break;
-    default: launch(p.split, stream, false, decode_attention_split_kernel<Source, D, 4, E>, src, s); break;
+  if (p.staged) {
+    switch (p.group_chunk) {
+      case 1:
+        launch(p.split, stream, false, decode_attention_staged_kernel<Source, D, 1, E>, src, s);
+        break;
+      case 2:
+        launch(p.split, stream, false, decode_attention_staged_kernel<Source, D, 2, E>, src, s);
+        break;
+      default:
+        launch(p.split, stream, false, decode_attention_staged_kernel<Source, D, 4, E>, src, s);
+        break;
+    }
+  } else {
+    switch (p.group_chunk) {
+      case 1:
+        launch(p.split, stream, false, decode_attention_split_kernel<Source, D, 1, E>, src, s);
+        break;
+      case 2:
+        launch(p.split, stream, false, decode_attention_split_kernel<Source, D, 2, E>, src, s);
+        break;
+      default:
+        launch(p.split, stream, false, decode_attention_split_kernel<Source, D, 4, E>, src, s);
+        break;
+    }
   }
   launch(p.combine, stream, false, decode_attention_combine_kernel<Source, D, E>, src, s);
 }
@@ -159,6 +189,10 @@ void launch_decode(const decode_attention_plan& p, cudaStream_t stream, const So
 
 struct cuda_decode_attention {
   cudaStream_t stream = nullptr;
+  // The split step with K and V staged through shared memory (cp.async, several tiles
+  // in flight per lane; dropped tokens of a live view not read): same results, same
+  // workspace. Off by default: not yet measured against the plain split kernel.
+  bool staged = false;
 
   // (a) A per-head block cache (KV-Compress); the epilogue adds to cache.metric.
   cuda::decode_attention_plan plan(const per_head_kv_view& c, const decode_rows& q, const decode_rows& out, float scale,
@@ -172,11 +206,13 @@ struct cuda_decode_attention {
     if (!c.k.table) cuda::decode_detail::check_pointer(c.k.layer(batch.layer, c.type), "cache.k");
     if (!c.v.table) cuda::decode_detail::check_pointer(c.v.layer(batch.layer, c.type), "cache.v");
     const std::int64_t capacity = std::int64_t{c.max_blocks} * c.block_size;
-    const std::int64_t max_tokens = batch.max_tokens > 0 ? std::min<std::int64_t>(batch.max_tokens, capacity) : capacity;
+    const std::int64_t max_tokens =
+        batch.max_tokens > 0 ? std::min<std::int64_t>(batch.max_tokens, capacity) : capacity;
     require(max_tokens < (std::int64_t{1} << 31), "cache.max_blocks", "gives rows of {} tokens; at most 2^31 - 1",
             max_tokens);
-    return cuda::decode_detail::make_decode_plan(batch.num_items, c.num_kv_heads, q.num_heads / c.num_kv_heads, c.head_dim,
-                                          static_cast<std::int32_t>(max_tokens), c.block_size, epi.writes());
+    return cuda::decode_detail::make_decode_plan(batch.num_items, c.num_kv_heads, q.num_heads / c.num_kv_heads,
+                                                 c.head_dim, static_cast<std::int32_t>(max_tokens), c.block_size,
+                                                 epi.writes(), false, staged);
   }
 
   // (b), (c) A paged cache with a shared block table: the heads' own counts where
@@ -187,12 +223,10 @@ struct cuda_decode_attention {
                                    const decode_epilogue& epi = {}) const {
     check_decode_attention(c, counts, q, out, scale, batch, epi, /*host_tables=*/false);
     check_device(c.head_dim, c.type, q, out, batch);
-    for (const auto& [stride, name] : {std::pair{c.k_stride.token, "cache.k_stride.token"},
-                                       std::pair{c.k_stride.block, "cache.k_stride.block"},
-                                       std::pair{c.k_stride.head, "cache.k_stride.head"},
-                                       std::pair{c.v_stride.token, "cache.v_stride.token"},
-                                       std::pair{c.v_stride.block, "cache.v_stride.block"},
-                                       std::pair{c.v_stride.head, "cache.v_stride.head"}})
+    for (const auto& [stride, name] :
+         {std::pair{c.k_stride.token, "cache.k_stride.token"}, std::pair{c.k_stride.block, "cache.k_stride.block"},
+          std::pair{c.k_stride.head, "cache.k_stride.head"}, std::pair{c.v_stride.token, "cache.v_stride.token"},
+          std::pair{c.v_stride.block, "cache.v_stride.block"}, std::pair{c.v_stride.head, "cache.v_stride.head"}})
       cuda::decode_detail::check_alignment(stride, c.type, name);
     if (!c.k.table) cuda::decode_detail::check_pointer(c.k.layer(batch.layer, c.type), "cache.k");
     if (!c.v.table) cuda::decode_detail::check_pointer(c.v.layer(batch.layer, c.type), "cache.v");
@@ -202,8 +236,9 @@ struct cuda_decode_attention {
     const std::int64_t max_tokens = batch.max_tokens > 0 ? batch.max_tokens : capacity;
     require(max_tokens < (std::int64_t{1} << 31), "cache.table.row_stride", "gives rows of {} tokens; at most 2^31 - 1",
             max_tokens);
-    return cuda::decode_detail::make_decode_plan(batch.num_items, c.num_kv_heads, q.num_heads / c.num_kv_heads, c.head_dim,
-                                          static_cast<std::int32_t>(max_tokens), c.block_size, epi.writes());
+    return cuda::decode_detail::make_decode_plan(batch.num_items, c.num_kv_heads, q.num_heads / c.num_kv_heads,
+                                                 c.head_dim, static_cast<std::int32_t>(max_tokens), c.block_size,
+                                                 epi.writes(), !c.live.empty(), staged);
   }
 
   cudaError_t attend(void* temp, std::size_t& temp_bytes, const per_head_kv_view& c, const decode_rows& q,

@@ -36,7 +36,8 @@ void decode_head(const Row& row, const decode_rows& q, const decode_rows& out, f
                  std::int32_t h, std::int32_t G, dtype t, const decode_epilogue& epi, std::int32_t query_position,
                  std::span<double> exact) {
   const std::int32_t T = row.length(), d = q.head_dim;
-  std::vector<double> z(static_cast<std::size_t>(T)), sums(static_cast<std::size_t>(T), 0.0), o(static_cast<std::size_t>(d));
+  std::vector<double> z(static_cast<std::size_t>(T)), sums(static_cast<std::size_t>(T), 0.0),
+      o(static_cast<std::size_t>(d));
   std::vector<double> qv(static_cast<std::size_t>(d));
   for (std::int32_t g = 0; g < G; ++g) {
     const std::int32_t head = h * G + g;
@@ -81,9 +82,9 @@ void decode_head(const Row& row, const decode_rows& q, const decode_rows& out, f
 }
 
 inline void check_exact(std::span<double> exact, const decode_rows& q, const decode_batch& batch) {
-  require(exact.empty() || exact.size() == static_cast<std::size_t>(batch.num_items) * q.num_heads * q.head_dim, "exact",
-          "has {} doubles; must be empty or items {} x heads {} x d {}", exact.size(), batch.num_items, q.num_heads,
-          q.head_dim);
+  require(exact.empty() || exact.size() == static_cast<std::size_t>(batch.num_items) * q.num_heads * q.head_dim,
+          "exact", "has {} doubles; must be empty or items {} x heads {} x d {}", exact.size(), batch.num_items,
+          q.num_heads, q.head_dim);
 }
 
 inline std::int32_t item_seq(const decode_batch& batch, std::int32_t i, std::int32_t num_seqs) {
@@ -138,8 +139,8 @@ inline void decode_attention(const per_head_kv_view& c, const decode_rows& q, co
           return c.positions.empty() ? t : c.positions.at(l, c.physical_block(l, seq, h, t), t % c.block_size);
         }
       } row{c, l, seq, h};
-      decode_detail::decode_head(row, q, out, scale, i, h, G, c.type, epi, batch.query_positions ? batch.query_positions[i] : -1,
-                          exact);
+      decode_detail::decode_head(row, q, out, scale, i, h, G, c.type, epi,
+                                 batch.query_positions ? batch.query_positions[i] : -1, exact);
     }
   }
 }
@@ -171,8 +172,8 @@ inline void decode_attention(const paged_kv_view& c, const decode_head_counts& c
               kvp::detail::path("cache.table[seq {}][{}]", seq, k), "is block id {}; valid ids are [0, {})",
               c.physical_block(seq, k * b), c.num_blocks);
     const std::int32_t tail = counts.given() && counts.tail_from ? counts.tail_from[seq] : L;
-    require(tail >= 0 && tail <= L, kvp::detail::path("counts.tail_from[{}]", seq), "is {}; the sequence holds {} tokens",
-            tail, L);
+    require(tail >= 0 && tail <= L, kvp::detail::path("counts.tail_from[{}]", seq),
+            "is {}; the sequence holds {} tokens", tail, L);
     for (std::int32_t h = 0; h < c.num_kv_heads; ++h) {
       const std::int32_t count = counts.given() ? *counts.counts.row(l, seq, h) : L;
       require(count >= 0 && count <= tail, kvp::detail::path("counts[layer {}][seq {}][head {}]", l, seq, h),
@@ -203,8 +204,8 @@ inline void decode_attention(const paged_kv_view& c, const decode_head_counts& c
           return c.positions.empty() ? t : c.positions.at(l, c.physical_block(seq, t), t % c.block_size, h);
         }
       } row{c, epi, l, seq, h, span(seq, h)};
-      decode_detail::decode_head(row, q, out, scale, i, h, G, c.type, epi, batch.query_positions ? batch.query_positions[i] : -1,
-                          exact);
+      decode_detail::decode_head(row, q, out, scale, i, h, G, c.type, epi,
+                                 batch.query_positions ? batch.query_positions[i] : -1, exact);
     }
   }
 }

@@ -62,7 +62,8 @@ __global__ void decode_validate_per_head_kernel(per_head_decode_source src, deco
     const std::int32_t T = src.length(l, seq, h);
     if (T < 0 || T > s.capacity) {
       if (threadIdx.x == 0)
-        report(s.status, status_code::head_length_out_of_range, item, l, seq, h, T, static_cast<std::int32_t>(s.capacity));
+        report(s.status, status_code::head_length_out_of_range, item, l, seq, h, T,
+               static_cast<std::int32_t>(s.capacity));
       return;
     }
     if (T > s.max_tokens) {
@@ -102,8 +103,10 @@ __global__ void decode_validate_paged_kernel(paged_decode_source<Live> src, deco
   }
   for (std::int32_t h = static_cast<std::int32_t>(threadIdx.x); h < s.num_kv_heads; h += blockDim.x) {
     const std::int32_t n = src.count(l, seq, h), T = n + (L - tail);
-    if (n < 0 || n > tail) report(s.status, status_code::head_count_out_of_range, item, l, seq, h, n, tail);
-    else if (T > s.max_tokens) report(s.status, status_code::length_over_max_tokens, item, seq, T, s.max_tokens);
+    if (n < 0 || n > tail)
+      report(s.status, status_code::head_count_out_of_range, item, l, seq, h, n, tail);
+    else if (T > s.max_tokens)
+      report(s.status, status_code::length_over_max_tokens, item, seq, T, s.max_tokens);
   }
 }
 
@@ -183,7 +186,8 @@ __global__ void __launch_bounds__(decode_attention_tuning::threads, decode_atten
 #pragma unroll
   for (int g = 0; g < GC; ++g) {
     if (g < gn) {
-      const auto* qrow = static_cast<const std::byte*>(s.q) + item * s.q_item_stride + (h * G + g0 + g) * s.q_head_stride;
+      const auto* qrow =
+          static_cast<const std::byte*>(s.q) + item * s.q_item_stride + (h * G + g0 + g) * s.q_head_stride;
       unpack8<E>(*reinterpret_cast<const uint4*>(qrow + li * 16), q[g]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) q[g][i] *= s.scale_log2;
@@ -321,7 +325,10 @@ __global__ void __launch_bounds__(decode_attention_tuning::threads, decode_atten
     for (int w = 0; w < WARPS; ++w) {
       const float c = rescale(red_m[w][g], mn);
       const float4 x = red_o[w][g][i];
-      acc.x = fmaf(x.x, c, acc.x), acc.y = fmaf(x.y, c, acc.y), acc.z = fmaf(x.z, c, acc.z), acc.w = fmaf(x.w, c, acc.w);
+      acc.x = fmaf(x.x, c, acc.x);
+      acc.y = fmaf(x.y, c, acc.y);
+      acc.z = fmaf(x.z, c, acc.z);
+      acc.w = fmaf(x.w, c, acc.w);
       total = fmaf(red_s[w][g], c, total);
     }
     reinterpret_cast<float4*>(s.partial + (at + g) * D)[i] = acc;
@@ -363,12 +370,17 @@ __global__ void __launch_bounds__(decode_attention_tuning::combine_threads)
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       for (std::int32_t k = 0; k < spans; ++k) {
         const float c = rescale(st[k * G + g].x, j.x);
-        const float4 x = reinterpret_cast<const float4*>(s.partial + ((std::int64_t{row} * s.splits + k) * G + g) * D)[i];
-        acc.x = fmaf(x.x, c, acc.x), acc.y = fmaf(x.y, c, acc.y), acc.z = fmaf(x.z, c, acc.z), acc.w = fmaf(x.w, c, acc.w);
+        const float4 x =
+            reinterpret_cast<const float4*>(s.partial + ((std::int64_t{row} * s.splits + k) * G + g) * D)[i];
+        acc.x = fmaf(x.x, c, acc.x);
+        acc.y = fmaf(x.y, c, acc.y);
+        acc.z = fmaf(x.z, c, acc.z);
+        acc.w = fmaf(x.w, c, acc.w);
       }
       const float inv = j.y > 0.0f ? 1.0f / j.y : 0.0f;
       auto* out = static_cast<std::byte*>(s.out) + item * s.out_item_stride + (h * G + g) * s.out_head_stride;
-      reinterpret_cast<uint2*>(out)[i] = make_uint2(pack2<E>(acc.x * inv, acc.y * inv), pack2<E>(acc.z * inv, acc.w * inv));
+      reinterpret_cast<uint2*>(out)[i] =
+          make_uint2(pack2<E>(acc.x * inv, acc.y * inv), pack2<E>(acc.z * inv, acc.w * inv));
     }
   }
   if (s.logits == nullptr) return;

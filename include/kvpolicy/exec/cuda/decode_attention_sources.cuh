@@ -50,8 +50,8 @@ struct per_head_decode_source {
   }
   __device__ decode_head_rows rows(std::int32_t l, std::int32_t) const {
     const std::int64_t es = size_of(c.type);
-    return {c.k.layer(l, c.type), c.v.layer(l, c.type), c.k_stride.block * es, c.k_stride.token * es,
-            c.v_stride.block * es, c.v_stride.token * es};
+    return {c.k.layer(l, c.type),  c.v.layer(l, c.type),  c.k_stride.block * es,
+            c.k_stride.token * es, c.v_stride.block * es, c.v_stride.token * es};
   }
   __device__ bool alive(std::int32_t, std::int32_t, std::int32_t, std::int32_t) const { return true; }
   __device__ float* metric(const decode_epilogue&, std::int32_t l, std::int32_t blk, std::int32_t slot,
@@ -87,8 +87,12 @@ struct paged_decode_source {
   }
   __device__ decode_head_rows rows(std::int32_t l, std::int32_t h) const {
     const std::int64_t es = size_of(c.type);
-    return {c.k.layer(l, c.type) + h * c.k_stride.head * es, c.v.layer(l, c.type) + h * c.v_stride.head * es,
-            c.k_stride.block * es, c.k_stride.token * es, c.v_stride.block * es, c.v_stride.token * es};
+    return {c.k.layer(l, c.type) + h * c.k_stride.head * es,
+            c.v.layer(l, c.type) + h * c.v_stride.head * es,
+            c.k_stride.block * es,
+            c.k_stride.token * es,
+            c.v_stride.block * es,
+            c.v_stride.token * es};
   }
   __device__ bool alive(std::int32_t l, std::int32_t blk, std::int32_t slot, std::int32_t h) const {
     if constexpr (Live) return c.live.at(l, blk, slot, h) != 0;

@@ -34,6 +34,11 @@ struct decode_attention_tuning {
   // the block table in shared memory.
   static constexpr std::int32_t min_split_tokens = 256;
   static constexpr std::int32_t max_split_tokens = 8192;
+  // The staged variant (cuda_decode_attention::staged): tiles each lane has in flight
+  // through shared memory (cp.async) while it computes one, and the blocks per SM its
+  // registers are capped for (the stages take 48 KB a block).
+  static constexpr int stages = 3;
+  static constexpr int staged_blocks_per_sm = 4;
   // The combine kernel; with the metric epilogue, tokens per block.
   static constexpr int combine_threads = 128;
   static constexpr std::int32_t metric_tokens = 2048;
@@ -43,9 +48,9 @@ inline std::string describe_decode_attention_tuning() {
   using t = decode_attention_tuning;
   return detail::format(
       "decode attention: {} threads, {} blocks/SM x {} waves, {} tokens per load, groups of {} query heads, splits of "
-      "{} to {} tokens; combine {} threads, {} metric tokens per block",
+      "{} to {} tokens; staged: {} stages, {} blocks/SM; combine {} threads, {} metric tokens per block",
       t::threads, t::blocks_per_sm, t::waves, t::tokens_per_load, t::max_group_chunk, t::min_split_tokens,
-      t::max_split_tokens, t::combine_threads, t::metric_tokens);
+      t::max_split_tokens, t::stages, t::staged_blocks_per_sm, t::combine_threads, t::metric_tokens);
 }
 
 }  // namespace cuda
