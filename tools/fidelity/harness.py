@@ -306,6 +306,7 @@ class Engine:
         for s in self.states:
             s.generated_since_compression = len(tokens)
         self.last_held = self.held()  # the prompt's blocks count in the peaks
+        self.last_compressed = np.zeros(len(self.configs), dtype=bool)
         return np.repeat(logits[-1:], len(self.configs), axis=0)
 
     def compress_now(self) -> None:
@@ -320,8 +321,10 @@ class Engine:
             parts.append((self.per_head, self.per_head_ids))
         logits = decode_step(self.w, parts, tokens)
         self.attended[:] = self.cache_tokens()
-        # What the step's attention read, before the step's compression (as `attended`).
+        # What the step's attention read, before the step's compression (as `attended`),
+        # and whether that cache had been compressed yet.
         self.last_held = self.held()
+        self.last_compressed = np.array([st.compressions > 0 for st in self.states])
         self.step_count += 1
         self.clock += 1
         for s in self.states:
@@ -450,7 +453,7 @@ def run_session(w, tok, session: prompts.Session, configs, scale: float, log, se
             kls.append(kl), agrees.append(ag), turn_of_step.append(ti), attended.append(eng.attended.copy())
             # A step counts for a configuration once it has been compressed at least once
             # (before, it holds the full cache and agrees by construction).
-            compressed.append([st.compressions > 0 for st in eng.states])
+            compressed.append(eng.last_compressed.copy())
             h = eng.last_held  # what these logits' attention read
             for k in held:
                 held[k].append(h[k])

@@ -79,3 +79,23 @@ def test_a_short_task_on_the_model(weights, tokenizer):
     assert held[0] == r["context_ids"] > 160
     assert held[1] == 64 and held[2] <= 64 and held[3] <= 64
     assert r["right"][0] == tasks.is_right(task, r["answers"][0])
+
+
+def test_last_compressed_describes_the_cache_the_logits_read():
+    """The step that compresses returns logits computed before its compression: it is
+    flagged not compressed; the next step's logits read the compressed cache."""
+    w = tiny_weights()
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, w.config.vocab, size=40)
+    cfgs = [SeqConfig("full", None, None), SeqConfig("snapkv@40", "snapkv", 40)]
+    eng = harness.Engine(w, cfgs, len(prompt), len(prompt) + 20, block_size=8)
+    eng.prefill(prompt)
+    assert not eng.last_compressed.any()
+    flags, counts = [], []
+    for t in rng.integers(0, w.config.vocab, size=12):
+        eng.step(np.full(2, t))
+        flags.append(bool(eng.last_compressed[1]))
+        counts.append(eng.states[1].compressions)
+    first = counts.index(1)  # the step whose compression came after its logits
+    assert flags[first] is False and flags[first + 1] is True and not any(flags[:first])
+    assert not eng.last_compressed[0]  # the full cache is never compressed
