@@ -406,7 +406,7 @@ def test_errors(err_case):
     raises("batch[1].seq", call, seqs=[1, 1])
     raises("batch[0].logical_length", call, positions=np.zeros(c["metric"].shape, np.int32))
     raises("pipeline.select.protected_window", call, policy=kvpolicy.KVCompress(protected_window=-1))
-    raises("blocks_to_free[0]", call, blocks_to_free=-1)
+    raises("batch[0].blocks_to_free", call, blocks_to_free=-1)
     bad = c["tables"].copy()
     bad[1, 2, 1, 3] = 9999
     raises("cache.table[layer 1][seq 2][head 1][3]", call, tables=bad)

@@ -187,7 +187,7 @@ def test_refusals_name_the_field_and_write_nothing():
     raises("logical_lengths", call, logical_lengths=[1, 2])
     raises("batch[0].seq", call, seqs=[3])
     raises("batch[1].seq", call, seqs=torch.tensor([1, 1]))
-    raises("blocks_to_free[0]", call, blocks_to_free=-1)
+    raises("batch[0].blocks_to_free", call, blocks_to_free=-1)
     raises("kv_compress.max_cache_tokens", call, policy=kvpolicy.KVCompress(max_cache_tokens=3), blocks_to_free=None)
     bad = t["tables"].clone()
     bad[1, 2, 1, 3] = 9999

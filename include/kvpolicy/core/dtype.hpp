@@ -13,6 +13,12 @@ enum class dtype : std::uint8_t { f16, bf16, f32 };
 
 KVP_HOST_DEVICE constexpr int size_of(dtype t) noexcept { return t == dtype::f32 ? 4 : 2; }
 
+// Whether t is one of the three types: a value cast from an engine's integer may not
+// be, and every other function here would read it as some type of the wrong size.
+KVP_HOST_DEVICE constexpr bool is_known(dtype t) noexcept {
+  return t == dtype::f16 || t == dtype::bf16 || t == dtype::f32;
+}
+
 constexpr std::string_view name_of(dtype t) noexcept {
   switch (t) {
     case dtype::f16: return "f16";

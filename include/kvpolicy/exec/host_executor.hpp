@@ -62,6 +62,9 @@ struct host_executor {
                        const compression_batch& batch) const {
     validate_shapes(p, cache, queries, scores, batch);
     validate_windows(p, cache, batch);
+    // On the engine's rows, before any is shifted to its window: the blocks before a
+    // window are checked too, and another item may not write one of them.
+    validate_batch(p, cache, queries, batch);
     if constexpr (window_only<L>()) {
       const host::window_rows windows(cache, batch.items);
       host_result out = compress_rows(p, windows.view(), queries, scores, batch);
@@ -84,7 +87,6 @@ struct host_executor {
   host_result compress_rows(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
                             const query_window_view& queries, const score_view& scores,
                             const compression_batch& batch) const {
-    validate_batch(p, cache, queries, batch);
     const layer_range layers = resolve_layers(batch, cache);
     const std::int32_t H = cache.num_kv_heads, d = cache.head_dim, b = cache.block_size;
     constexpr bool with_f = uses_score_cache<A>();

@@ -92,6 +92,9 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   require(cache.num_kv_heads > 0, "cache.num_kv_heads", "is {}; must be positive", cache.num_kv_heads);
   require(cache.head_dim > 0, "cache.head_dim", "is {}; must be positive", cache.head_dim);
   require(cache.num_seqs > 0, "cache.num_seqs", "is {}; must be positive", cache.num_seqs);
+  require(is_known(cache.type), "cache.type", "is {}; must be f16 ({}), bf16 ({}) or f32 ({})",
+          static_cast<int>(cache.type), static_cast<int>(dtype::f16), static_cast<int>(dtype::bf16),
+          static_cast<int>(dtype::f32));
   require(cache.table.indices != nullptr, "cache.table.indices", "is a null pointer");
   require(cache.table.is_csr() || cache.table.row_stride > 0, "cache.table.row_stride",
           "is {}; a dense table needs a positive row stride", cache.table.row_stride);
@@ -106,6 +109,9 @@ void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_
   if constexpr (AttentionScorer<S>) {
     require(p.scorer.window > 0, "pipeline.scorer.window", "is {}; must be positive", p.scorer.window);
     require(queries.base != nullptr, "queries.base", "is a null pointer; the scorer reads observation queries");
+    require(is_known(queries.type), "queries.type", "is {}; must be f16 ({}), bf16 ({}) or f32 ({})",
+            static_cast<int>(queries.type), static_cast<int>(dtype::f16), static_cast<int>(dtype::bf16),
+            static_cast<int>(dtype::f32));
     require(queries.head_dim == cache.head_dim, "queries.head_dim", "is {}; the cache's head_dim is {}",
             queries.head_dim, cache.head_dim);
     require(queries.num_q_heads > 0 && queries.num_q_heads % cache.num_kv_heads == 0, "queries.num_q_heads",
@@ -216,8 +222,11 @@ void validate_windows(const P&, const paged_kv_view& cache, const compression_ba
 // Checks the batch against the engine's lengths and block table, and that no block a
 // batch sequence writes is shared: held by another sequence of the view (in the
 // batch or not), or marked by cache.sharing. The blocks of an item's shared prefix
-// (compression_batch::targets) are only read, and may be held by others; its targets
-// must be free. Reads those arrays, so it runs where
+// (compression_batch::targets) and the blocks before its window (window_begin, after
+// validate_windows) are only read, and may be held by others; its targets must be
+// free. Every block id a sequence holds is checked, those before a window too. Takes
+// the engine's view (rows not shifted to windows); the budget, windows and history
+// count within each item's window. Reads those arrays, so it runs where
 // they live (the host executor calls it directly; the CUDA executor's validation
 // kernels check the same on the device).
 template <class P>
@@ -225,11 +234,19 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
                     const compression_batch& batch) {
   struct holder {
     std::int32_t seq, index;  // the sequence holding the block, and the block's index in its table
-    bool read_only;           // in the item's shared prefix
+    bool read_only;           // in the item's shared prefix, or before its window
   };
   std::unordered_map<std::int32_t, holder> batch_blocks;  // block id -> the batch sequence holding it
   std::vector<bool> seen_seq(static_cast<std::size_t>(cache.num_seqs), false);
   const auto check_length = [&](std::int32_t seq) {
+    if (cache.table.is_csr()) {
+      // A CSR row that starts before the array or ends before it starts would be read
+      // out of bounds (its capacity alone does not show the first).
+      const std::int32_t* ptr = cache.table.indptr;
+      require(ptr[seq] >= 0, detail::path("cache.table.indptr[{}]", seq), "is {}; must not be negative", ptr[seq]);
+      require(ptr[seq + 1] >= ptr[seq], detail::path("cache.table.indptr[{}]", seq + 1), "is {}; below indptr[{}] = {}",
+              ptr[seq + 1], seq, ptr[seq]);
+    }
     const std::int32_t T = cache.lengths[seq];
     const std::int64_t capacity = cache.table.capacity(seq) * cache.block_size;
     require(T >= 0 && T <= capacity, detail::path("cache.lengths[{}]", seq),
@@ -270,14 +287,15 @@ void validate_batch(const P& p, const paged_kv_view& cache, const query_window_v
     require(!seen_seq[static_cast<std::size_t>(it.seq)], field("seq"), "is {}, which the batch names twice", it.seq);
     seen_seq[static_cast<std::size_t>(it.seq)] = true;
 
-    const std::int32_t T = cache.lengths[it.seq];
     const std::int32_t blocks = check_length(it.seq);
+    const std::int32_t T = cache.lengths[it.seq] - it.window_begin;  // the item's tokens: its window's
+    const std::int32_t before_window = it.window_begin / cache.block_size;
     const std::int32_t shared = targets.count(static_cast<std::int32_t>(i));
     require(shared <= blocks, detail::path("batch.targets (item {})", i),
             "give {} target blocks; seq {} holds {} blocks", shared, it.seq, blocks);
     for (std::int32_t b = 0; b < blocks; ++b) {
       const std::int32_t id = check_id(it.seq, b);
-      const bool read_only = b < shared;
+      const bool read_only = b < shared || b < before_window;
       const auto [pos, fresh] = batch_blocks.emplace(id, holder{it.seq, b, read_only});
       // Two items may read one block of their shared prefixes; no item may write a block another holds.
       require(fresh || (read_only && pos->second.read_only), detail::path("cache.table[seq {}][{}]", it.seq, b),

@@ -96,6 +96,8 @@ inline void validate_per_head_shapes(const per_head_kv_view& c, bool host_tables
   require(c.head_dim > 0, "cache.head_dim", "is {}; must be positive", c.head_dim);
   require(c.num_seqs > 0, "cache.num_seqs", "is {}; must be positive", c.num_seqs);
   require(c.max_blocks > 0, "cache.max_blocks", "is {}; must be positive", c.max_blocks);
+  require(is_known(c.type), "cache.type", "is {}; must be f16 ({}), bf16 ({}) or f32 ({})", static_cast<int>(c.type),
+          static_cast<int>(dtype::f16), static_cast<int>(dtype::bf16), static_cast<int>(dtype::f32));
   require(c.table.valid(), "cache.table", "has neither a base pointer nor a layer table (null)");
   require(c.lengths.valid(), "cache.lengths", "has neither a base pointer nor a layer table (null)");
   if (host_tables) {

@@ -62,6 +62,21 @@ inline per_head_result compress_per_head(const select::head_adaptive_blocks& sel
             "is {}; with cache.positions the protected window is read off positions, which needs the sequence's "
             "position count",
             it.logical_length);
+    // The counts and positions, named by item as the device names them (the schedule's
+    // own checks know rows, not items).
+    require(sel.budget != select::block_budget::sequence || it.blocks_to_free >= 0,
+            detail::path("batch[{}].blocks_to_free", i), "is {}; must not be negative", it.blocks_to_free);
+    for (std::int32_t l = 0; l < L && sel.budget == select::block_budget::layer; ++l)
+      require(it.per_layer[l] >= 0, detail::path("batch[{}].per_layer[{}]", i, l), "is {}; must not be negative",
+              it.per_layer[l]);
+    for (std::int32_t l = 0; l < L && !c.positions.empty(); ++l)
+      for (std::int32_t h = 0; h < H; ++h)
+        for (std::int32_t t = 0; t < c.length(l, it.seq, h); ++t) {
+          const std::int32_t p = c.positions.at(l, c.physical_block(l, it.seq, h, t), t % b);
+          require(p >= 0 && p < it.logical_length,
+                  detail::path("cache.positions (batch[{}], layer {}, head {}, token {})", i, l, h, t),
+                  "is {}; positions lie in [0, {})", p, it.logical_length);
+        }
   }
   for (std::size_t i = 0; i < items.size(); ++i) {
     const per_head_item& it = items[i];
