@@ -2,7 +2,7 @@
 // anonymous namespace, after its CUDA plumbing): kvp::cuda_decode_attention, one new
 // token per sequence attending one layer.
 //
-//   decode/<cache>/<shape>[_metric]
+//   decode[_staged]/<cache>/<shape>[_metric]    (_staged: cuda_decode_attention::staged)
 //     cache   per_head   a per-head block cache (KV-Compress's: [N, b, d] for K and V,
 //                        each (seq, KV head) its own shuffled blocks and length)
 //             counts     a paged cache (nano-vllm's [N, b, h_kv, d], one shuffled table per
@@ -36,8 +36,8 @@ enum class decode_cache { per_head, counts, live, paged };
 
 class decode_bench_case {
  public:
-  decode_bench_case(const decode_shape& s, decode_cache kind, bool metric, cudaStream_t stream)
-      : s_(s), kind_(kind), stream_(stream) {
+  decode_bench_case(const decode_shape& s, decode_cache kind, bool metric, bool staged, cudaStream_t stream)
+      : s_(s), kind_(kind), staged_(staged), stream_(stream) {
     const std::int64_t b = s.block_size, d = s.head_dim, H = s.kv_heads, per_seq = (s.tokens + b - 1) / b;
     std::mt19937 rng(41);
     // Each head's attended length.
@@ -124,16 +124,19 @@ class decode_bench_case {
   kvp::decode_epilogue epilogue(bool metric) const {
     if (!metric) return {};
     if (kind_ == decode_cache::per_head) return {.kind = kvp::decode_metric::squared};
-    return {.kind = kvp::decode_metric::probability,
-            .scores = kvp::score_view::contiguous(metric_buf_.get<float>(), pg_.num_blocks, s_.block_size, s_.kv_heads)};
+    return {
+        .kind = kvp::decode_metric::probability,
+        .scores = kvp::score_view::contiguous(metric_buf_.get<float>(), pg_.num_blocks, s_.block_size, s_.kv_heads)};
   }
   cudaError_t attend(void* temp, std::size_t& bytes, bool metric) const {
-    const kvp::cuda_decode_attention a{.stream = stream_};
+    const kvp::cuda_decode_attention a{.stream = stream_, .staged = staged_};
     const float scale = 1.0f / std::sqrt(float(s_.head_dim));
-    if (kind_ == decode_cache::per_head) return a.attend(temp, bytes, ph_, rows(q_), rows(out_), scale, batch(), epilogue(metric));
+    if (kind_ == decode_cache::per_head)
+      return a.attend(temp, bytes, ph_, rows(q_), rows(out_), scale, batch(), epilogue(metric));
     const kvp::decode_head_counts c =
-        kind_ == decode_cache::counts ? kvp::decode_head_counts{kvp::per_head_array::dense(counts_.get<std::int32_t>(), s_.seqs, s_.kv_heads)}
-                                      : kvp::decode_head_counts{};
+        kind_ == decode_cache::counts
+            ? kvp::decode_head_counts{kvp::per_head_array::dense(counts_.get<std::int32_t>(), s_.seqs, s_.kv_heads)}
+            : kvp::decode_head_counts{};
     return a.attend(temp, bytes, pg_, c, rows(q_), rows(out_), scale, batch(), epilogue(metric));
   }
   cudaError_t run(bool metric) {
@@ -141,7 +144,7 @@ class decode_bench_case {
     return attend(temp_.get(), bytes, metric);
   }
   kvp::cuda::decode_attention_plan plan(bool metric) const {
-    const kvp::cuda_decode_attention a{.stream = stream_};
+    const kvp::cuda_decode_attention a{.stream = stream_, .staged = staged_};
     const float scale = 1.0f / std::sqrt(float(s_.head_dim));
     if (kind_ == decode_cache::per_head) return a.plan(ph_, rows(q_), rows(out_), scale, batch(), epilogue(metric));
     return a.plan(pg_, {}, rows(q_), rows(out_), scale, batch(), epilogue(metric));
@@ -161,6 +164,7 @@ class decode_bench_case {
 
   decode_shape s_;
   decode_cache kind_;
+  bool staged_;
   cudaStream_t stream_;
   dbuf q_, out_, status_, k_, v_, metric_buf_, table_, lengths_, counts_, live_, temp_;
   std::size_t temp_bytes_ = 0;
@@ -184,10 +188,11 @@ double time_decode(decode_bench_case& bc, bool metric, int reps, cudaStream_t st
   return total / reps;
 }
 
-void bench_decode(benchmark::State& state, const std::string& name, decode_shape s, decode_cache kind, bool metric) {
+void bench_decode(benchmark::State& state, const std::string& name, decode_shape s, decode_cache kind, bool metric,
+                  bool staged) {
   try {
     stream_guard stream;
-    decode_bench_case bc(s, kind, metric, stream);
+    decode_bench_case bc(s, kind, metric, staged, stream);
     KVP_BENCH_CHECK(bc.run(metric));  // warm-up
     KVP_BENCH_CHECK(cudaStreamSynchronize(stream));
     bc.check_status();
@@ -225,9 +230,11 @@ void bench_decode(benchmark::State& state, const std::string& name, decode_shape
 }
 
 void register_decode_attention_rows() {
-  const auto add = [](const std::string& name, decode_shape s, decode_cache kind, bool metric) {
-    benchmark::RegisterBenchmark(("decode/" + name).c_str(),
-                                 [name, s, kind, metric](benchmark::State& st) { bench_decode(st, name, s, kind, metric); })
+  const auto add = [](const std::string& name, decode_shape s, decode_cache kind, bool metric, bool staged = false) {
+    const std::string full = (staged ? "decode_staged/" : "decode/") + name;
+    benchmark::RegisterBenchmark(
+        full.c_str(),
+        [full, s, kind, metric, staged](benchmark::State& st) { bench_decode(st, full, s, kind, metric, staged); })
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->Iterations(30);
@@ -250,5 +257,12 @@ void register_decode_attention_rows() {
     }
     add(std::string(name) + "/64x4096", s64, kind, false);
     add(std::string(name) + "/256x2048", s256, kind, false);
+  }
+  for (const auto& [kind, name] : kinds) {
+    add(std::string(name) + "/B", b, kind, false, true);
+    add(std::string(name) + "/B_metric", b, kind, true, true);
+    if (kind == decode_cache::per_head) add(std::string(name) + "/B_ragged", ragged, kind, false, true);
+    add(std::string(name) + "/64x4096", s64, kind, false, true);
+    add(std::string(name) + "/256x2048", s256, kind, false, true);
   }
 }

@@ -55,7 +55,7 @@ fi
 step sdpa 200 python3 "$ROOT/bench/reference/sdpa_decode.py" --json "$OUT/sdpa_decode.json"
 wait "$BENCH_PID"
 if [[ -x $BENCH ]]; then
-  step bench 300 "$BENCH" --benchmark_filter='^(copy|decode/)' --benchmark_out="$OUT/bench_decode_attention.json" \
+  step bench 300 "$BENCH" --benchmark_filter='^(copy|decode/|decode_staged/)' --benchmark_out="$OUT/bench_decode_attention.json" \
     --benchmark_out_format=json --benchmark_counters_tabular=true
 else
   FAILED+=(build_bench)
