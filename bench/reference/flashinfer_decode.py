@@ -14,49 +14,11 @@ Run on the GPU machine (FlashInfer from scripts/gpu_wheels.sh):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import statistics
 import sys
 import time
 
-
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="64x4096,256x2048", help="SEQSxTOKENS,... (tokens per sequence)")
-    p.add_argument("--block-size", default="16,256", help="tokens per cache block, comma-separated")
-    p.add_argument("--h-q", type=int, default=32)
-    p.add_argument("--h-kv", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
-    p.add_argument("--reps", type=int, default=50, help="timed repetitions (median reported)")
-    p.add_argument("--json", help="write the results here")
-    return p.parse_args(argv)
-
-
-def median_ms(torch, fn, reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def copy_bandwidth(torch, reps: int) -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s), on 4 GiB."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = median_ms(torch, lambda: dst.copy_(src), reps)
-    del src, dst
-    return 2 * (2 << 30) / (ms * 1e-3) / 1e9
+import decode_common as common
 
 
 def reference(torch, q, k_blocks, v_blocks, tables, lengths, scale):
@@ -73,7 +35,7 @@ def reference(torch, q, k_blocks, v_blocks, tables, lengths, scale):
 
 
 def run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs):
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dtype = common.dtype(torch, args)
     h_q, h_kv, d = args.h_q, args.h_kv, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(seqs * tokens + b)
     per_seq = math.ceil(tokens / b)
@@ -105,7 +67,7 @@ def run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs):
     if not math.isfinite(rel) or rel > 1e-2:
         raise SystemExit(f"flashinfer_decode: {seqs}x{tokens} b {b}: relative error {rel:.3g} against fp32")
 
-    ms = median_ms(torch, lambda: wrapper.run(q, (k_blocks, v_blocks), out=out), args.reps)
+    ms = common.median_ms(torch, lambda: wrapper.run(q, (k_blocks, v_blocks), out=out), args.reps)
     kv_bytes = 2 * seqs * tokens * h_kv * d * k.element_size()
     gbs = kv_bytes / (ms * 1e-3) / 1e9
     row = {"seqs": seqs, "tokens": tokens, "block_size": b, "h_q": h_q, "h_kv": h_kv, "head_dim": d,
@@ -117,28 +79,27 @@ def run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    p = common.parser(__doc__, "64x4096,256x2048", 50)
+    p.add_argument("--block-size", default="16,256", help="tokens per cache block, comma-separated")
+    args = p.parse_args(argv)
     import torch
 
     t0 = time.time()
     import flashinfer
 
     import_s = time.time() - t0
-    copy_gbs = copy_bandwidth(torch, args.reps)
+    copy_gbs = common.copy_bandwidth(torch, args.reps)
     rows = []
-    for cfg in args.configs.split(","):
-        seqs, tokens = (int(x) for x in cfg.lower().split("x"))
+    for seqs, tokens in common.configs(args):
         for b in (int(x) for x in args.block_size.split(",")):
             rows.append(run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs))
             r = rows[-1]
             print(f"{seqs:4d} x {tokens:5d} b {b:3d}: {r['ms']:.3f} ms, {r['kv_gbs']:.0f} GB/s of K/V, "
                   f"{r['copy_fraction']:.3f} of copy ({copy_gbs:.0f} GB/s), rel err {r['rel_error_fp32']:.1e}, "
                   f"first plan {r['first_plan_s']:.1f} s", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": flashinfer.__version__,
-              "import_s": import_s, "copy_gbs": copy_gbs, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    common.write_json(args, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                             "flashinfer": flashinfer.__version__, "import_s": import_s, "copy_gbs": copy_gbs,
+                             "rows": rows})
     return 0
 
 

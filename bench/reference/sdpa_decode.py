@@ -14,52 +14,15 @@ Run on the GPU machine:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import statistics
 import sys
 
-
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="16x8192,64x4096,256x2048", help="SEQSxTOKENS,... (tokens per sequence)")
-    p.add_argument("--h-q", type=int, default=32)
-    p.add_argument("--h-kv", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
-    p.add_argument("--reps", type=int, default=30, help="timed repetitions (median reported)")
-    p.add_argument("--json", help="write the results here")
-    return p.parse_args(argv)
-
-
-def median_ms(torch, fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def copy_bandwidth(torch, reps: int) -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written per second (GB/s)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = median_ms(torch, lambda: dst.copy_(src), reps)
-    del src, dst
-    return 2 * (1 << 30) / (ms * 1e-3) / 1e9
+import decode_common as common
 
 
 def run_config(torch, seqs, tokens, args, copy_gbs):
     F = torch.nn.functional
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dtype = common.dtype(torch, args)
     h_q, h_kv, d = args.h_q, args.h_kv, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(seqs * tokens)
     k = torch.rand(seqs, h_kv, tokens, d, device="cuda", dtype=dtype, generator=gen) * 2 - 1
@@ -75,7 +38,7 @@ def run_config(torch, seqs, tokens, args, copy_gbs):
     rel = float((out[check].float() - ref).norm() / ref.norm())
     if not math.isfinite(rel) or rel > 1e-2:
         raise SystemExit(f"sdpa_decode: {seqs}x{tokens}: relative error {rel:.3g} against fp32")
-    ms = median_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), args.reps)
+    ms = common.median_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), args.reps)
     kv_bytes = 2 * seqs * tokens * h_kv * d * k.element_size()
     gbs = kv_bytes / (ms * 1e-3) / 1e9
     row = {"seqs": seqs, "tokens": tokens, "h_q": h_q, "h_kv": h_kv, "head_dim": d, "dtype": args.dtype, "ms": ms,
@@ -86,21 +49,18 @@ def run_config(torch, seqs, tokens, args, copy_gbs):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = common.parser(__doc__, "16x8192,64x4096,256x2048", 30).parse_args(argv)
     import torch
 
-    copy_gbs = copy_bandwidth(torch, args.reps)
+    copy_gbs = common.copy_bandwidth(torch, args.reps)
     rows = []
-    for cfg in args.configs.split(","):
-        seqs, tokens = (int(x) for x in cfg.lower().split("x"))
+    for seqs, tokens in common.configs(args):
         r = run_config(torch, seqs, tokens, args, copy_gbs)
         rows.append(r)
         print(f"sdpa {seqs:4d} x {tokens:5d}: {r['ms']:.3f} ms, {r['kv_gbs']:.0f} GB/s of K/V, "
               f"{r['copy_fraction']:.3f} of copy ({copy_gbs:.0f} GB/s), rel err {r['rel_error_fp32']:.1e}", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    common.write_json(args, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                             "copy_gbs": copy_gbs, "rows": rows})
     return 0
 
 
