@@ -45,6 +45,8 @@ enum class status_code : std::int32_t {
   // Decode attention over a shared table with per-head counts (decode_head_counts).
   head_count_out_of_range,  // a = layer, b = seq, c = head, d = count, e = the sequence's length or tail_from
   tail_out_of_range,        // a = seq, b = tail_from, c = the sequence's length
+  // A CSR block table's row that starts before its indices or ends before it starts.
+  indptr_invalid,  // a = index into indptr, b = its value, c = the entry before it (a > 0)
 };
 
 // Words: [code, item, a, b, c, d, e, f]. The first error found wins (atomicCAS on code).
@@ -148,6 +150,10 @@ inline void throw_if_error(const std::int32_t* w) {
                   detail::format("is {}; at most {} (the sequence's length, or its tail_from where given)", d, e));
     case status_code::tail_out_of_range:
       throw error(detail::format("counts.tail_from[{}]", a), detail::format("is {}; the sequence holds {} tokens", b, c));
+    case status_code::indptr_invalid:
+      throw error(detail::format("cache.table.indptr[{}]", a),
+                  b < 0 ? detail::format("is {}; must not be negative", b)
+                        : detail::format("is {}; below indptr[{}] = {}", b, a - 1, c));
   }
   throw error("status", detail::format("unknown device status code {}", w[0]));
 }

@@ -62,6 +62,18 @@ __device__ inline std::int32_t logical_block_of(const paged_kv_view& cache, std:
   return at;
 }
 
+// The indptr entry at fault when the CSR row of `seq` starts before its indices or ends
+// before it starts (its entries would be read out of bounds), or -1.
+__device__ inline std::int32_t bad_indptr(const block_table_view& t, std::int32_t seq) {
+  if (!t.is_csr()) return -1;
+  if (t.indptr[seq] < 0) return seq;
+  return t.indptr[seq + 1] < t.indptr[seq] ? seq + 1 : -1;
+}
+__device__ inline void report_indptr(std::int32_t* status, const block_table_view& t, std::int32_t item,
+                                     std::int32_t at) {
+  report(status, status_code::indptr_invalid, item, at, t.indptr[at], at > 0 ? t.indptr[at - 1] : 0);
+}
+
 // One block per batch item, then owner_reset_blocks blocks that reset `owner`.
 // Mirrors validate_batch (exec/validate.hpp) for the item: its sequence, length, block
 // ids, budget, windows, history and slot. First it clears the item's row hand-off
@@ -97,7 +109,9 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
       v.item_of_seq[it.seq] = i;  // any of the items naming it: claim_blocks_kernel finds the first
       const std::int32_t T = cache.lengths[it.seq];
       const std::int64_t capacity = cache.table.capacity(it.seq) * cache.block_size;
-      if (T < 0 || T > capacity) {
+      if (const std::int32_t at = bad_indptr(cache.table, it.seq); at >= 0) {
+        report_indptr(rs.status, cache.table, i, at);
+      } else if (T < 0 || T > capacity) {
         report(rs.status, status_code::length_out_of_range, i, it.seq, T, static_cast<std::int32_t>(capacity));
       } else if (T > rs.max_tokens) {
         report(rs.status, status_code::length_over_max_tokens, i, it.seq, T, rs.max_tokens);
@@ -172,6 +186,10 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
   const std::int32_t T = cache.lengths[seq];
   if (!in_batch) {
     const std::int64_t capacity = cache.table.capacity(seq) * b;
+    if (const std::int32_t at = bad_indptr(cache.table, seq); at >= 0) {
+      if (threadIdx.x == 0) report_indptr(rs.status, cache.table, -1, at);
+      return;
+    }
     if (T < 0 || T > capacity) {
       if (threadIdx.x == 0) report(rs.status, status_code::length_out_of_range, -1, seq, T, static_cast<std::int32_t>(capacity));
       return;
@@ -192,6 +210,23 @@ __global__ void __launch_bounds__(row_threads) claim_blocks_kernel(paged_kv_view
       report(rs.status, status_code::target_held, item, id, other >= 0 ? other : rs.items[target_holder(other)].seq, item);
     else if (atomicAdd(v.readers + id, 0) != 0)
       report(rs.status, status_code::target_held, item, id, -1, item);
+  }
+  // A window-only layout's item: the blocks before its window (entries [0, first) of
+  // the row, which the shifted view no longer shows) are only read, as a shared
+  // prefix is: no batch item may write one. Their ids are checked too.
+  const std::int32_t before_window = in_batch && cache.table.first ? cache.table.first[seq] : 0;
+  for (std::int32_t k = threadIdx.x; k < before_window; k += blockDim.x) {
+    const std::int32_t id = cache.table.unshifted(seq, k);
+    if (id < 0 || id >= cache.num_blocks) {
+      report(rs.status, status_code::block_out_of_range, item, seq, k, id);
+      continue;
+    }
+    atomicOr(v.readers + id, 1);
+    __threadfence();
+    const std::int32_t owner = atomicAdd(v.owner + id, 0);
+    if (owner >= 0 && batch_item_of(v, rs, owner) >= 0)
+      report(rs.status, status_code::prefix_block_written, batch_item_of(v, rs, owner), owner,
+             logical_block_of(cache, owner, id), id);
   }
   const std::int32_t blocks = (T + b - 1) / b;
   for (std::int32_t k = threadIdx.x; k < blocks; k += blockDim.x) {
