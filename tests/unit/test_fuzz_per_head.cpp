@@ -8,8 +8,9 @@
 //   - A valid call keeps every head's length or shortens it, writes no block the
 //     batch's sequences do not hold, and leaves in each head's first new-length slots
 //     distinct positions of tokens it held, with their K and V bytes unchanged.
-// Bounds and replay: support/fuzz.hpp. Host only (tests/CMakeLists.txt): the device's
-// per-head executor has its own tests (tests/gpu/per_head_test.cu).
+// Bounds and replay: support/fuzz.hpp. In the CUDA build (kvpolicy_gpu_unit_tests) each
+// call also goes to cuda_per_head_executor over a device copy: a valid one must agree
+// with the host (lengths, freed blocks, every byte), a broken one be refused alike.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -55,18 +56,22 @@ struct ph_case {
   std::size_t row_bytes() const { return static_cast<std::size_t>(d) * kvp::size_of(type); }
 
   kvp::per_head_kv_view view() {
+    return view_over(k.data(), v.data(), table.data(), lengths.data(), positions.data(), metric.data());
+  }
+  // The same view over copies of the arrays held elsewhere (device memory).
+  kvp::per_head_kv_view view_over(std::byte* k_, std::byte* v_, const i32* table_, const i32* lengths_, i32* positions_,
+                                  float* metric_) const {
     kvp::per_head_kv_view c;
     c.num_layers = L, c.num_blocks = NB, c.block_size = b, c.num_kv_heads = H, c.head_dim = d, c.num_seqs = S;
     c.max_blocks = max_blocks, c.type = type, c.shared_pool = shared;
     const i64 pool = i64{NB} * b * d;
-    c.k = {k.data(), shared ? 0 : pool, nullptr, 0};
-    c.v = {v.data(), shared ? 0 : pool, nullptr, 0};
+    c.k = {k_, shared ? 0 : pool, nullptr, 0};
+    c.v = {v_, shared ? 0 : pool, nullptr, 0};
     c.k_stride = c.v_stride = kvp::per_head_kv_strides::contiguous(b, d);
-    c.table = kvp::per_head_array::dense(table.data(), S, H, max_blocks);
-    c.lengths = kvp::per_head_array::dense(lengths.data(), S, H);
-    c.positions = shared ? kvp::per_slot_positions::shared(positions.data(), b)
-                         : kvp::per_slot_positions::per_layer(positions.data(), NB, b);
-    c.metric = shared ? kvp::per_slot_metric::shared(metric.data(), b) : kvp::per_slot_metric::per_layer(metric.data(), NB, b);
+    c.table = kvp::per_head_array::dense(table_, S, H, max_blocks);
+    c.lengths = kvp::per_head_array::dense(lengths_, S, H);
+    c.positions = shared ? kvp::per_slot_positions::shared(positions_, b) : kvp::per_slot_positions::per_layer(positions_, NB, b);
+    c.metric = shared ? kvp::per_slot_metric::shared(metric_, b) : kvp::per_slot_metric::per_layer(metric_, NB, b);
     return c;
   }
 };
@@ -155,6 +160,7 @@ struct ph_mutation {
   std::vector<std::string> fields;
   std::function<void(kvp::per_head_kv_view&, std::vector<kvp::per_head_item>&)> tweak =
       [](kvp::per_head_kv_view&, std::vector<kvp::per_head_item>&) {};
+  bool host_only = false;  // the device cannot be handed this (a host array of layer pointers)
 };
 
 std::string head_entry(i32 l, i32 s, i32 h, i32 i) {
@@ -229,7 +235,10 @@ ph_mutation mutate(ph_case& c, fuzz_rng& rng) {
                    [](V& k, I&) { k.positions.layer_stride = k.positions.block_stride; }};
         if (c.L < 2) continue;
         return M{"overlapping layer pools", {"cache.k layer 1", "cache.k.layer 1"},
-                 [](V& k, I&) { k.k.layer_stride = k.k_stride.block; }};
+                 [](V& k, I&) {  // one element short of a layer's pool
+                   k.k.layer_stride = (i64{k.num_blocks} - 1) * k.k_stride.block +
+                                      (i64{k.block_size} - 1) * k.k_stride.token + k.head_dim - 1;
+                 }};
       }
       case 9: return M{"type", {"cache.type"}, [](V& k, I&) { k.type = static_cast<kvp::dtype>(5); }};
       case 10: {
@@ -274,11 +283,80 @@ ph_mutation mutate(ph_case& c, fuzz_rng& rng) {
                    for (i32 x = 0; x < k.num_layers; ++x) layers.push_back(k.table.base + x * k.table.layer_stride);
                    layers[static_cast<std::size_t>(l)] = nullptr;
                    k.table = {nullptr, layers.data(), 0, k.table.seq_stride, k.table.head_stride};
-                 }};
+                 },
+                 /*host_only=*/true};
       }
     }
   }
 }
+
+// Whether the error names an allowed field. The device's words name a repeated block
+// by whichever of its entries a thread reached second: any entry of the table.
+bool field_allowed(const std::string& field, const std::vector<std::string>& allowed, bool device) {
+  for (const auto& a : allowed)
+    if (field == a || (device && field.rfind("cache.table[", 0) == 0 && a.rfind("cache.table[", 0) == 0)) return true;
+  return false;
+}
+
+#ifdef KVP_TEST_CUDA_EXECUTOR
+// The case's arrays on the device, the view over them, and what the executor wrote.
+struct ph_device {
+  explicit ph_device(const ph_case& c)
+      : k(c.k.begin(), c.k.end()), v(c.v.begin(), c.v.end()), table(c.table.begin(), c.table.end()),
+        lengths(c.lengths.begin(), c.lengths.end()), positions(c.positions.begin(), c.positions.end()),
+        metric(c.metric.begin(), c.metric.end()) {
+    for (const auto& counts : c.per_layer) per_layer.emplace_back(counts.begin(), counts.end());
+  }
+  thrust::device_vector<std::byte> k, v;
+  thrust::device_vector<i32> table, lengths, positions;
+  thrust::device_vector<float> metric;
+  std::vector<thrust::device_vector<i64>> per_layer;
+  std::vector<i32> new_lengths, freed_counts, freed_blocks;  // [rows], [rows], [rows][max_blocks]
+
+  kvp::per_head_kv_view view(const ph_case& c) {
+    return c.view_over(raw(k), raw(v), raw(table), raw(lengths), raw(positions), raw(metric));
+  }
+  // Runs the CUDA executor; the field of its refusal, or empty.
+  std::string run(const ph_case& c, const kvp::select::head_adaptive_blocks& sel, const kvp::per_head_kv_view& view,
+                  std::vector<kvp::per_head_item> items) {
+    for (std::size_t i = 0; i < items.size(); ++i)  // per_layer: the device copy of item i's counts
+      if (items[i].per_layer) items[i].per_layer = raw(per_layer[i]);
+    const thrust::device_vector<kvp::per_head_item> d_items(items.begin(), items.end());
+    const std::size_t rows = std::max<std::size_t>(items.size() * c.L * c.H, 1);
+    thrust::device_vector<i32> status(kvp::status_words, 0), lens(rows, -1), counts(rows, -1),
+        blocks(rows * static_cast<std::size_t>(c.max_blocks), -1);
+    const kvp::device_per_head_batch batch{thrust::raw_pointer_cast(d_items.data()), static_cast<i32>(items.size())};
+    const kvp::device_per_head_result out{raw(status), raw(lens), raw(counts), raw(blocks)};
+    try {
+      const kvp::cuda_per_head_executor ex{};
+      std::size_t bytes = 0;
+      REQUIRE(cudaSuccess == ex.compress(nullptr, bytes, sel, view, batch, out));
+      thrust::device_vector<std::byte> temp(std::max<std::size_t>(bytes, 1));
+      REQUIRE(cudaSuccess == ex.compress(thrust::raw_pointer_cast(temp.data()), bytes, sel, view, batch, out));
+      REQUIRE(cudaSuccess == cudaDeviceSynchronize());
+      kvp::check(kvp_test::to_host(status).data());
+    } catch (const kvp::error& e) {
+      return e.field();
+    }
+    new_lengths = kvp_test::to_host(lens);
+    freed_counts = kvp_test::to_host(counts);
+    freed_blocks = kvp_test::to_host(blocks);
+    return {};
+  }
+  void copy_back(ph_case& c) const {
+    thrust::copy(k.begin(), k.end(), c.k.begin());
+    thrust::copy(v.begin(), v.end(), c.v.begin());
+    thrust::copy(positions.begin(), positions.end(), c.positions.begin());
+    thrust::copy(metric.begin(), metric.end(), c.metric.begin());
+  }
+
+ private:
+  template <class T>
+  static T* raw(thrust::device_vector<T>& x) {
+    return thrust::raw_pointer_cast(x.data());
+  }
+};
+#endif
 
 void expect_refused(ph_case& c, const ph_mutation& m) {
   kvp::per_head_kv_view view = c.view();
@@ -291,16 +369,34 @@ void expect_refused(ph_case& c, const ph_mutation& m) {
   } catch (const kvp::error& e) {
     field = e.field();
     INFO(std::string(e.what()));
-    CHECK_MESSAGE(std::find(m.fields.begin(), m.fields.end(), field) != m.fields.end(), "named ", field);
+    CHECK_MESSAGE(field_allowed(field, m.fields, false), "named ", field);
   }
   CHECK_MESSAGE(!field.empty(), "accepted: ", m.what);
   CHECK((c.k == before.k && c.v == before.v && c.positions == before.positions && c.table == before.table &&
          c.lengths == before.lengths));
   CHECK(std::memcmp(c.metric.data(), before.metric.data(), c.metric.size() * sizeof(float)) == 0);
+#ifdef KVP_TEST_CUDA_EXECUTOR
+  if (m.host_only) return;
+  INFO("CUDA per-head executor");
+  ph_device dev(c);
+  kvp::per_head_kv_view dview = dev.view(c);
+  std::vector<kvp::per_head_item> ditems = c.items;
+  m.tweak(dview, ditems);
+  const std::string named = dev.run(c, c.selector, dview, ditems);
+  CHECK_MESSAGE(!named.empty(), "accepted on the device: ", m.what);
+  if (!named.empty()) CHECK_MESSAGE(field_allowed(named, m.fields, true), "named ", named);
+  ph_case after = c;
+  dev.copy_back(after);
+  CHECK((after.k == c.k && after.v == c.v && after.positions == c.positions));
+  CHECK(std::memcmp(after.metric.data(), c.metric.data(), c.metric.size() * sizeof(float)) == 0);
+#endif
 }
 
 void expect_valid(ph_case& c) {
   const ph_case before = c;
+#ifdef KVP_TEST_CUDA_EXECUTOR
+  ph_device dev(c);  // the cache as the host executor finds it
+#endif
   kvp::per_head_result r;
   try {
     r = kvp::host::compress_per_head(c.selector, c.view(), c.items);
@@ -309,6 +405,25 @@ void expect_valid(ph_case& c) {
   }
   CHECK(c.table == before.table);
   CHECK(c.lengths == before.lengths);
+#ifdef KVP_TEST_CUDA_EXECUTOR
+  {  // The device agrees: lengths, freed blocks, every byte.
+    INFO("CUDA per-head executor");
+    const std::string named = dev.run(c, c.selector, dev.view(c), c.items);
+    REQUIRE_MESSAGE(named.empty(), "the device refused a valid call: ", named);
+    for (std::size_t i = 0; i < c.items.size(); ++i)
+      for (std::size_t row = 0; row < static_cast<std::size_t>(c.L * c.H); ++row) {
+        const std::size_t at = i * static_cast<std::size_t>(c.L * c.H) + row;
+        CHECK(dev.new_lengths[at] == r.new_lengths[i][row]);
+        REQUIRE(dev.freed_counts[at] == static_cast<i32>(r.freed_blocks[i][row].size()));
+        for (i32 j = 0; j < dev.freed_counts[at]; ++j)
+          CHECK(dev.freed_blocks[at * static_cast<std::size_t>(c.max_blocks) + j] == r.freed_blocks[i][row][j]);
+      }
+    ph_case on_device = before;
+    dev.copy_back(on_device);
+    CHECK((on_device.k == c.k && on_device.v == c.v && on_device.positions == c.positions));
+    CHECK(std::memcmp(on_device.metric.data(), c.metric.data(), c.metric.size() * sizeof(float)) == 0);
+  }
+#endif
   // Blocks (pool, id) the batch holds: the only ones written.
   std::set<std::pair<i32, i32>> writable;
   for (const auto& it : c.items)
