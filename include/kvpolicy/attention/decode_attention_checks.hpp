@@ -12,6 +12,7 @@
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
 #include "kvpolicy/exec/validate.hpp"
+#include "kvpolicy/exec/validate_dims.hpp"
 #include "kvpolicy/exec/validate_per_head.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -64,12 +65,7 @@ inline void check_decode_attention(const per_head_kv_view& c, const decode_rows&
 inline void check_decode_attention(const paged_kv_view& c, const decode_head_counts& counts, const decode_rows& q,
                                    const decode_rows& out, float scale, const decode_batch& batch,
                                    const decode_epilogue& epi, bool host_tables) {
-  require(c.num_layers > 0, "cache.num_layers", "is {}; must be positive", c.num_layers);
-  require(c.num_blocks > 0, "cache.num_blocks", "is {}; must be positive", c.num_blocks);
-  require(c.block_size > 0, "cache.block_size", "is {}; must be positive", c.block_size);
-  require(c.num_kv_heads > 0, "cache.num_kv_heads", "is {}; must be positive", c.num_kv_heads);
-  require(c.head_dim > 0, "cache.head_dim", "is {}; must be positive", c.head_dim);
-  require(c.num_seqs > 0, "cache.num_seqs", "is {}; must be positive", c.num_seqs);
+  detail::validate_cache_dims(c);
   require(c.table.indices != nullptr, "cache.table.indices", "is a null pointer");
   require(c.table.is_csr() || c.table.row_stride > 0, "cache.table.row_stride",
           "is {}; a dense table needs a positive row stride", c.table.row_stride);

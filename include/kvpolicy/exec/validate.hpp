@@ -15,6 +15,7 @@
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/core/score_view.hpp"
+#include "kvpolicy/exec/validate_dims.hpp"
 #include "kvpolicy/pipeline/pipeline.hpp"
 #include "kvpolicy/pipeline/traits.hpp"
 #include "kvpolicy/redundancy/redundancy.hpp"
@@ -86,15 +87,7 @@ inline layer_range resolve_layers(const compression_batch& batch, const paged_kv
 template <class P>
 void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
                      const score_view& scores, const compression_batch& batch, bool host_tables = true) {
-  require(cache.num_layers > 0, "cache.num_layers", "is {}; must be positive", cache.num_layers);
-  require(cache.num_blocks > 0, "cache.num_blocks", "is {}; must be positive", cache.num_blocks);
-  require(cache.block_size > 0, "cache.block_size", "is {}; must be positive", cache.block_size);
-  require(cache.num_kv_heads > 0, "cache.num_kv_heads", "is {}; must be positive", cache.num_kv_heads);
-  require(cache.head_dim > 0, "cache.head_dim", "is {}; must be positive", cache.head_dim);
-  require(cache.num_seqs > 0, "cache.num_seqs", "is {}; must be positive", cache.num_seqs);
-  require(is_known(cache.type), "cache.type", "is {}; must be f16 ({}), bf16 ({}) or f32 ({})",
-          static_cast<int>(cache.type), static_cast<int>(dtype::f16), static_cast<int>(dtype::bf16),
-          static_cast<int>(dtype::f32));
+  detail::validate_cache_dims(cache);
   require(cache.table.indices != nullptr, "cache.table.indices", "is a null pointer");
   require(cache.table.is_csr() || cache.table.row_stride > 0, "cache.table.row_stride",
           "is {}; a dense table needs a positive row stride", cache.table.row_stride);

@@ -10,6 +10,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
+#include "kvpolicy/exec/validate_dims.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -89,15 +90,8 @@ void validate_per_slot(const per_slot_view<T>& v, const per_head_kv_view& c, con
 // Shapes, pointers and strides: what does not read the engine's tables or lengths.
 // Cheap; a device executor runs it on the host with `host_tables` false.
 inline void validate_per_head_shapes(const per_head_kv_view& c, bool host_tables = true) {
-  require(c.num_layers > 0, "cache.num_layers", "is {}; must be positive", c.num_layers);
-  require(c.num_blocks > 0, "cache.num_blocks", "is {}; must be positive", c.num_blocks);
-  require(c.block_size > 0, "cache.block_size", "is {}; must be positive", c.block_size);
-  require(c.num_kv_heads > 0, "cache.num_kv_heads", "is {}; must be positive", c.num_kv_heads);
-  require(c.head_dim > 0, "cache.head_dim", "is {}; must be positive", c.head_dim);
-  require(c.num_seqs > 0, "cache.num_seqs", "is {}; must be positive", c.num_seqs);
+  detail::validate_cache_dims(c);
   require(c.max_blocks > 0, "cache.max_blocks", "is {}; must be positive", c.max_blocks);
-  require(is_known(c.type), "cache.type", "is {}; must be f16 ({}), bf16 ({}) or f32 ({})", static_cast<int>(c.type),
-          static_cast<int>(dtype::f16), static_cast<int>(dtype::bf16), static_cast<int>(dtype::f32));
   require(c.table.valid(), "cache.table", "has neither a base pointer nor a layer table (null)");
   require(c.lengths.valid(), "cache.lengths", "has neither a base pointer nor a layer table (null)");
   if (host_tables) {
