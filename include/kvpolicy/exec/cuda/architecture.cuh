@@ -4,5 +4,5 @@
 #pragma once
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#error "kvpolicy's CUDA kernels need compute capability 8.0 or newer: build for sm_80 or above (nvcc -arch=sm_90a for H100/H200, -arch=sm_80 for A100; CMake: CMAKE_CUDA_ARCHITECTURES 90a)"
+#error "kvpolicy's CUDA kernels need compute capability 8.0 or newer: build for sm_80 or above (nvcc -arch=sm_90a for Hopper, -arch=sm_80 for Ampere; CMake: CMAKE_CUDA_ARCHITECTURES 90a)"
 #endif
