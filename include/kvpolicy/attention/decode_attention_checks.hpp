@@ -12,7 +12,6 @@
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
 #include "kvpolicy/exec/validate.hpp"
-#include "kvpolicy/exec/validate_dims.hpp"
 #include "kvpolicy/exec/validate_per_head.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -65,13 +64,7 @@ inline void check_decode_attention(const per_head_kv_view& c, const decode_rows&
 inline void check_decode_attention(const paged_kv_view& c, const decode_head_counts& counts, const decode_rows& q,
                                    const decode_rows& out, float scale, const decode_batch& batch,
                                    const decode_epilogue& epi, bool host_tables) {
-  detail::validate_cache_dims(c);
-  require(c.table.indices != nullptr, "cache.table.indices", "is a null pointer");
-  require(c.table.is_csr() || c.table.row_stride > 0, "cache.table.row_stride",
-          "is {}; a dense table needs a positive row stride", c.table.row_stride);
-  require(c.lengths != nullptr, "cache.lengths", "is a null pointer");
-  detail::validate_strides(c.k_stride, c, "k_stride");
-  detail::validate_strides(c.v_stride, c, "v_stride");
+  detail::validate_paged_view(c);
   detail::check_decode_call(q, out, scale, batch, epi, c.num_layers, c.num_kv_heads, c.head_dim, c.type);
   detail::validate_bases(c.k, c, batch.layer, batch.layer + 1, "k", host_tables);
   detail::validate_bases(c.v, c, batch.layer, batch.layer + 1, "v", host_tables);

@@ -64,6 +64,18 @@ inline void validate_bases(const layer_bases& b, const paged_kv_view& c, std::in
   }
 }
 
+// A paged view's own shape: dimensions, dtype, table and length pointers, K and V
+// strides (the compress executors and decode attention start with it).
+inline void validate_paged_view(const paged_kv_view& c) {
+  validate_cache_dims(c);
+  require(c.table.indices != nullptr, "cache.table.indices", "is a null pointer");
+  require(c.table.is_csr() || c.table.row_stride > 0, "cache.table.row_stride",
+          "is {}; a dense table needs a positive row stride", c.table.row_stride);
+  require(c.lengths != nullptr, "cache.lengths", "is a null pointer");
+  validate_strides(c.k_stride, c, "k_stride");
+  validate_strides(c.v_stride, c, "v_stride");
+}
+
 }  // namespace detail
 
 // Resolved layer range of a batch: [begin, end).
@@ -87,13 +99,7 @@ inline layer_range resolve_layers(const compression_batch& batch, const paged_kv
 template <class P>
 void validate_shapes(const P& p, const paged_kv_view& cache, const query_window_view& queries,
                      const score_view& scores, const compression_batch& batch, bool host_tables = true) {
-  detail::validate_cache_dims(cache);
-  require(cache.table.indices != nullptr, "cache.table.indices", "is a null pointer");
-  require(cache.table.is_csr() || cache.table.row_stride > 0, "cache.table.row_stride",
-          "is {}; a dense table needs a positive row stride", cache.table.row_stride);
-  require(cache.lengths != nullptr, "cache.lengths", "is a null pointer");
-  detail::validate_strides(cache.k_stride, cache, "k_stride");
-  detail::validate_strides(cache.v_stride, cache, "v_stride");
+  detail::validate_paged_view(cache);
   const layer_range layers = resolve_layers(batch, cache);
   detail::validate_bases(cache.k, cache, layers.begin, layers.end, "k", host_tables);
   detail::validate_bases(cache.v, cache, layers.begin, layers.end, "v", host_tables);
