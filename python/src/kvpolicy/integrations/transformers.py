@@ -64,10 +64,12 @@ import kvpolicy
 import kvpolicy.torch_ops
 
 from ..errors import Error
+from .paged_attention import FlashInferPagedAttention, TorchPagedAttention, import_flashinfer
 from .triggers import SequenceState, default_trigger
 
 TESTED_TRANSFORMERS = ("5.17",)  # major.minor releases the adapter is tested with
 WRAPPED_ATTENTION = ("paged|sdpa", "paged|eager")  # the engine's paged attention functions it wraps
+ATTENTION = ("engine", "torch", "flashinfer")  # who computes the attention (Adapter's attention=)
 
 _USES_SCORES = frozenset({"zipage", "gkv", "h2o"})  # presets that keep the global score F
 _USES_LIVE = frozenset({"hard_kv", "hard_kv_rkv"})  # per-head counts: the live mask (cautious update)
@@ -182,14 +184,33 @@ class Adapter:
     that can be compressed at once; others run uncompressed), default the engine's
     ``max_requests_per_batch``.
 
+    ``attention``: who computes the engine's attention while attached. ``"engine"`` (default):
+    the engine's own ``paged|sdpa`` / ``paged|eager``, which gather every running request's K/V
+    and build a [tokens, all keys] mask each step. ``"flashinfer"``: FlashInfer's paged decode
+    (prefill for steps with a prompt chunk) straight over the engine's blocks, planned once per
+    step (``kvpolicy.integrations.paged_attention``); the engine is switched to its decode fast
+    path (no per-token read indices, no mask) for as long as the adapter is attached.
+    ``"torch"``: the same plan with one PyTorch SDPA per request (any device; the reference
+    the FlashInfer path is tested against, and the one that masks Hard-KV's dropped slots).
+    ``Adapter(None, attention="flashinfer")`` runs the engine with that attention and no
+    compression: the baseline a comparison needs.
+
     ``attach(model)`` makes every continuous-batching manager the model creates (also the one
     ``generate_batch`` makes) use the preset; ``attach(manager)`` one manager, before its
     ``start()``. Both return the adapter, a context manager whose exit detaches it.
     """
 
     def __init__(self, policy=None, *, budget: Optional[int] = None, trigger=None,
-                 max_requests: Optional[int] = None):
+                 max_requests: Optional[int] = None, attention: str = "engine"):
         name = None if policy is None else getattr(policy, "name", None)
+        if attention not in ATTENTION:
+            _refuse("attention", f"is {attention!r}; expected one of {', '.join(ATTENTION)}")
+        if attention == "flashinfer":
+            if name in _USES_LIVE:
+                _refuse("attention", f"is 'flashinfer'; {name} drops tokens per KV head (the live mask), and "
+                        "FlashInfer's paged kernels read every slot of a page for every head: use attention='torch' "
+                        "or 'engine'")
+            import_flashinfer()  # a missing or untested FlashInfer fails here, not mid-run
         if policy is not None:
             if name == "kv_compress":
                 _refuse("policy", "KV-Compress evicts blocks per (layer, KV head), so each head holds its own "
@@ -211,6 +232,7 @@ class Adapter:
         self.budget = budget
         self.trigger = trigger
         self.max_requests = max_requests
+        self.attention = attention
         self.stats = Stats()
         self._spec = None if policy is None else kvpolicy.torch_ops.policy_spec(policy)
         self._window = 0 if policy is None or name in _NO_QUERIES else int(policy.params()["window"])
@@ -252,6 +274,11 @@ class Adapter:
 
     def reset_stats(self) -> None:
         self.stats = Stats()
+
+    @property
+    def takes_attention(self) -> bool:
+        """Whether the engine's attention calls come to the adapter (queries recorded, or its own attention)."""
+        return self.policy is not None or self.attention != "engine"
 
     def protected_tokens(self) -> int:
         """Tokens the preset always keeps: its observation window and sinks."""
@@ -299,33 +326,53 @@ class Adapter:
         if "_create_batch_processor" in manager.__dict__:
             _refuse("manager", "already has an adapter attached; two would both rewrite its block tables and "
                     "positions: detach the other first")
-        _check_manager(manager, observing_only=self.policy is None)
+        _check_manager(manager, observing_only=not self.takes_attention)
         if self.policy is not None:
             self.trigger_for(manager.continuous_batching_config.block_size)  # a bad budget fails here, not mid-run
         shipped = manager._create_batch_processor
+        cfg = manager.continuous_batching_config
 
         def create_batch_processor():
-            processor = shipped()
-            self._hook(processor)
+            if self.attention != "engine" and getattr(manager, "batch_processor", None) is None:
+                # A block table of width 1 turns the engine's decode fast path on (the adapter's
+                # attention plans from the block lists, so the engine's own table stays unused).
+                fast = cfg.max_blocks_per_request
+                cfg.max_blocks_per_request = max(fast or 0, 1)
+                try:
+                    processor = shipped()
+                finally:
+                    cfg.max_blocks_per_request = fast
+            else:
+                processor = shipped()
+            self._hook(processor, manager.model)
             return processor
 
         manager._create_batch_processor = create_batch_processor
         self._managers.append(manager)
         self._undo.append(lambda: manager.__dict__.pop("_create_batch_processor", None))
-        if self.policy is not None:
+        if self.takes_attention:
             _install_attention()
             self._undo.append(_uninstall_attention)
         if manager.batch_processor is not None:  # warmup() made it already
-            self._hook(manager.batch_processor)
+            self._hook(manager.batch_processor, manager.model)
 
-    def _hook(self, processor) -> None:
+    def _hook(self, processor, model) -> None:
         run = self._runs.get(id(processor))
         if run is not None:  # the manager reset and reused it: nothing running any more
             run.reset()
             return
-        run = _Run(self, processor)
+        run = _Run(self, processor, model)
         self._runs[id(processor)] = run
         self._undo.append(run.unhook)
+
+
+def _attention_scale(model) -> float:
+    """The softmax scale of the model's attention layers (one for all, or refused)."""
+    scales = {float(m.scaling) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+    if len(scales) != 1:
+        _refuse("attention", f"the model's attention layers have scales {sorted(scales)}; the adapter's attention "
+                "plans one scale for every layer")
+    return scales.pop()
 
 
 def _check_model_config(config) -> None:
@@ -382,7 +429,7 @@ def _check_manager(manager, observing_only: bool) -> None:
 class _Run:
     """The adapter's state for one batch processor (one PagedAttentionCache)."""
 
-    def __init__(self, adapter: Adapter, processor):
+    def __init__(self, adapter: Adapter, processor, model):
         cache = processor.cache
         if cache.num_groups != 1 or cache.num_sliding_attention_groups:
             _refuse("cache", f"has {cache.num_groups} layer groups; the adapter handles one full-attention group")
@@ -424,6 +471,15 @@ class _Run:
                            if name in _USES_SCORES else None)
             self.live = (torch.zeros(self.layers, nb + 2, b, h_kv, dtype=torch.uint8, device=device)
                          if name in _USES_LIVE else None)
+        self.backend = None
+        self.engine_state = None
+        if adapter.attention != "engine":
+            device, scale = cache.key_cache[0].device, _attention_scale(model)
+            self.backend = (TorchPagedAttention(b, cache.write_trash_index, device, scale)
+                            if adapter.attention == "torch" else
+                            FlashInferPagedAttention(b, cache.write_trash_index, device, scale,
+                                                     processor.config.num_attention_heads, h_kv, cache.head_dim,
+                                                     cache.dtype))
         self._hook()
 
     # -- hooks on the batch processor's instance -------------------------------------------
@@ -450,13 +506,29 @@ class _Run:
         processor.prepare_next_batch = prepare_next_batch
         io.prepare_batch_tensors = prepare_batch_tensors
         processor.update_batch = update_batch
-        if self.policy is not None:
+        if self.backend is not None:
+            # The adapter's attention reads neither the engine's mask nor its block table: the
+            # engine builds neither (the mask is [tokens, all keys] wide); decode-only steps take
+            # the engine's fast path (no per-token read indices) at every length. Undone by unhook.
+            scheduler = processor.scheduler
+            self.engine_state = (io.attention_mask, scheduler.max_decode_fast_path_length)
+            io.attention_mask = None
+            if self.cache.max_blocks_per_request > 0:
+                scheduler.max_decode_fast_path_length = self.cache.num_pages + 1
+            self.cache.fill_block_table = lambda *args, **kwargs: None
+        if self.adapter.takes_attention:
             _runs_by_cache[id(self.cache)] = self
 
     def unhook(self) -> None:
         for obj, name in ((self.processor, "prepare_next_batch"), (self.io, "prepare_batch_tensors"),
-                          (self.processor, "update_batch")):
+                          (self.processor, "update_batch"), (self.cache, "fill_block_table")):
             obj.__dict__.pop(name, None)
+        if self.engine_state is not None:
+            # The engine's own attention (paged|sdpa) needs its mask and read indices back: a
+            # processor made while attached (block table of width 1) never takes the fast path.
+            self.io.attention_mask, _ = self.engine_state
+            self.processor.scheduler.max_decode_fast_path_length = 0
+            self.engine_state = None
         if _runs_by_cache.get(id(self.cache)) is self:
             del _runs_by_cache[id(self.cache)]
 
@@ -490,8 +562,9 @@ class _Run:
         stats = self.adapter.stats
         stats.peak_blocks = max(stats.peak_blocks, self.cache.num_blocks - self.cache.get_num_free_blocks())
         stats.batch_requests += len(before)
-        positions, shifted, dst = [], False, []
+        positions, shifted, dst, plan = [], False, [], []
         w = self.window if self.policy is not None else 0
+        blocks_of = self.manager_of_blocks.block_table
         for fs, past in before:
             state, q = fs.state, fs.query_length
             rec = self.records.get(state.request_id)
@@ -509,6 +582,8 @@ class _Run:
                 dst.extend(rows)
             rec.seen += q
             self.batch.append((rec, q, state.generated_len() > 0))
+            if self.backend is not None:
+                plan.append((blocks_of[state.request_id], past, q))
         if shifted:
             ids = self.io.position_ids
             ids[: len(positions)] = torch.tensor(positions, dtype=ids.dtype, device=ids.device)
@@ -516,8 +591,10 @@ class _Run:
             padded = self.io.num_q_tokens  # the forward's query rows (padding included)
             dst.extend([self.trash_row] * (padded - len(dst)))
             self.dst[:padded] = torch.tensor(dst, dtype=torch.int64, device=self.dst.device)
+        if self.backend is not None:
+            self.backend.plan(plan, self.io.num_q_tokens)  # once per step, for every layer
         stream = self.io.compute_stream
-        if stream is not None and (shifted or w):
+        if stream is not None and (shifted or w or self.backend is not None):
             stream.wait_stream(torch.cuda.current_stream())  # the forward reads what was just written here
 
     # -- the attention (per layer) ---------------------------------------------------------
@@ -528,9 +605,24 @@ class _Run:
             t = query.shape[2]
             rows = query[0].transpose(0, 1).reshape(t, -1).to(self.ring.dtype)
             self.ring[layer].index_copy_(0, self.dst[:t], rows)
+        if self.backend is not None:
+            return self._attention_by_backend(layer, query, key, value)
         if self.live is None:
             return shipped(module, query, key, value, attention_mask, **kwargs)
         return self._attention_over_live(module, query, key, value, attention_mask, **kwargs)
+
+    def _attention_by_backend(self, layer, query, key, value):
+        """The step's new K/V into their slots, then the backend's attention over the blocks."""
+        cache, backend = self.cache, self.backend
+        k_cache = cache.key_cache[cache.layer_index_to_group_indices[layer][1]]
+        v_cache = cache.value_cache[cache.layer_index_to_group_indices[layer][1]]
+        backend.write(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        live = None
+        if self.live is not None:
+            live = self.live[layer].view(-1, cache.num_key_value_heads)
+            live.index_fill_(0, backend.slots, 1)  # every token the engine writes is held by every head
+        out = backend.run(query[0].transpose(0, 1).contiguous(), k_cache, v_cache, live)  # [rows, h_q, d]
+        return out.unsqueeze(0), None
 
     def _attention_over_live(self, module, query, key, value, attention_mask, **kwargs):
         """The paged attention with each KV head's dropped slots masked (Hard-KV's per-head counts).

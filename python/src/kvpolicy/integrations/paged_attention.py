@@ -1,0 +1,191 @@
+"""Paged attention over transformers' continuous-batching cache, planned once per engine step.
+
+The transformers adapter (``Adapter(..., attention="flashinfer" | "torch")``) runs the
+attention of the engine's forward itself with one of these backends, instead of the engine's
+``paged|sdpa``, which gathers every running request's whole K/V into a dense tensor and
+builds a [tokens, all keys] mask each step. A backend is planned once per step from the
+batch (each request's blocks, its cache length before the step and its query tokens) and run
+once per layer:
+
+- ``plan(batch, rows)``: ``batch`` is a list of ``(blocks, past, q)``; ``rows`` the query rows
+  of the forward (padding included). It computes the slots the step's new K/V go to and
+  whatever the attention needs (FlashInfer: page indptr/indices/last-page lengths).
+- ``write(k_cache, v_cache, key, value)``: the new tokens' K/V into their slots.
+- ``run(query, k_cache, v_cache, live=None)``: causal attention of each request's
+  query tokens over its first ``past + q`` tokens; ``live`` (``[slots, h_kv]`` bytes,
+  Hard-KV's per-head counts) masks the keys a head dropped. Returns ``[rows, h_q, d]``.
+
+The engine's cache per layer is ``[(num_blocks + 2) * b, h_kv, d]``: FlashInfer's NHD pages
+once viewed as ``[num_blocks + 2, b, h_kv, d]``.
+
+``TorchPagedAttention`` (any device, one SDPA per request) is the reference the tests hold
+``FlashInferPagedAttention`` to. FlashInfer is used through its documented wrappers:
+``BatchDecodeWithPagedKVCacheWrapper`` when every request has one query token, else
+``BatchPrefillWithPagedKVCacheWrapper`` (causal, the query aligned to the end of its keys).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import Error
+
+TESTED_FLASHINFER = ("0.7.2",)  # releases the adapter's FlashInfer path is tested with
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial results)
+
+Batch = Sequence[Tuple[Sequence[int], int, int]]  # (blocks, past tokens, query tokens) per request
+
+
+def _refuse(field: str, message: str):
+    raise Error(f"kvpolicy.integrations.paged_attention: {field}: {message}", field)
+
+
+def _slots(batch: Batch, block_size: int, rows: int, trash: int) -> list:
+    """The cache slot of every query row: request tokens in order, padding rows to ``trash``."""
+    slots = []
+    for blocks, past, q in batch:
+        for pos in range(past, past + q):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    if len(slots) > rows:
+        _refuse("rows", f"is {rows}; the batch has {len(slots)} query tokens")
+    slots.extend([trash] * (rows - len(slots)))
+    return slots
+
+
+class TorchPagedAttention:
+    """One ``scaled_dot_product_attention`` per request over its gathered blocks (reference)."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int, trash_slot: int, device, scale: float):
+        self.block_size = block_size
+        self.scale = scale
+        self.trash_slot = trash_slot
+        self.device = torch.device(device)
+        self.batch: list = []
+        self.rows = 0
+        self.slots = None
+
+    def plan(self, batch: Batch, rows: int) -> None:
+        self.batch = [(list(blocks), int(past), int(q)) for blocks, past, q in batch]
+        self.rows = rows
+        self.slots = torch.tensor(_slots(self.batch, self.block_size, rows, self.trash_slot), dtype=torch.int64,
+                                  device=self.device)
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``key``/``value``: ``[rows, h_kv, d]``."""
+        k_cache.index_copy_(0, self.slots, key)
+        v_cache.index_copy_(0, self.slots, value)
+
+    def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            live: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``query``: ``[rows, h_q, d]``; caches ``[slots, h_kv, d]``; ``live``: ``[slots, h_kv]``."""
+        b = self.block_size
+        rows, h_q, d = query.shape
+        h_kv = k_cache.shape[1]
+        group = h_q // h_kv
+        out = torch.zeros_like(query)
+        start = 0
+        for blocks, past, q in self.batch:
+            n = past + q
+            pages = torch.tensor(blocks[: -(-n // b)], dtype=torch.int64, device=query.device)
+            index = (pages[:, None] * b + torch.arange(b, device=query.device)).reshape(-1)[:n]
+            k = k_cache.index_select(0, index).transpose(0, 1)  # [h_kv, n, d]
+            v = v_cache.index_select(0, index).transpose(0, 1)
+            qq = query[start:start + q].transpose(0, 1).reshape(h_kv, group, q, d)
+            # Query token t sits at position past + t: it sees keys 0 .. past + t.
+            allowed = torch.arange(n, device=query.device)[None, :] <= (past + torch.arange(q, device=query.device))[:, None]
+            mask = allowed[None, None].expand(h_kv, 1, q, n)
+            if live is not None:
+                held = live.index_select(0, index).bool().t()  # [h_kv, n]
+                mask = mask & held[:, None, None, :]
+            o = torch.nn.functional.scaled_dot_product_attention(qq, k[:, None], v[:, None], attn_mask=mask,
+                                                                 scale=self.scale, enable_gqa=True)
+            out[start:start + q] = o.reshape(h_q, q, d).transpose(0, 1)
+            start += q
+        return out
+
+
+def import_flashinfer():
+    """FlashInfer, or a kvpolicy.Error saying what is missing or untested."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        _refuse("attention", f"'flashinfer' needs flashinfer-python {' or '.join(v + '.x' for v in TESTED_FLASHINFER)} "
+                f"(pip install flashinfer-python; it compiles its kernels at run time with nvcc): {e}")
+    version = getattr(flashinfer, "__version__", "?")
+    if not any(version == v or version.startswith(v + ".") for v in TESTED_FLASHINFER):
+        _refuse("attention", f"flashinfer {version} is not tested with the adapter (tested: "
+                f"{', '.join(v + '.x' for v in TESTED_FLASHINFER)})")
+    return flashinfer
+
+
+class FlashInferPagedAttention:
+    """FlashInfer's paged decode (decode-only steps) or paged prefill (steps with a prompt chunk)."""
+
+    name = "flashinfer"
+
+    def __init__(self, block_size: int, trash_slot: int, device, scale: float, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        device = torch.device(device)
+        if device.type != "cuda":
+            _refuse("device", f"is {device}; FlashInfer runs on CUDA devices")
+        self.flashinfer = import_flashinfer()
+        self.block_size = block_size
+        self.trash_slot = trash_slot
+        self.device = device
+        self.scale = scale
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.wrapper = None
+        self.tokens = 0
+        self.rows = 0
+        self.slots = None
+
+    def plan(self, batch: Batch, rows: int) -> None:
+        b = self.block_size
+        indptr, indices, last, qo = [0], [], [], [0]
+        for blocks, past, q in batch:
+            n = past + q
+            pages = -(-n // b)
+            indices.extend(blocks[:pages])
+            indptr.append(indptr[-1] + pages)
+            last.append(n - (pages - 1) * b)
+            qo.append(qo[-1] + q)
+        self.tokens, self.rows = qo[-1], rows
+        self.slots = torch.tensor(_slots(batch, b, rows, self.trash_slot), dtype=torch.int64, device=self.device)
+        i32 = dict(dtype=torch.int32)
+        h_q, h_kv, d = self.heads
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        if self.tokens == len(batch):  # one query token per request: the decode kernel
+            self.wrapper = self.decode
+            self.decode.plan(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32),
+                             h_q, h_kv, d, b, **common)
+        else:
+            self.wrapper = self.prefill
+            self.prefill.plan(torch.tensor(qo, **i32), torch.tensor(indptr, **i32), torch.tensor(indices, **i32),
+                              torch.tensor(last, **i32), h_q, h_kv, d, b, causal=True, **common)
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        k_cache.index_copy_(0, self.slots, key)
+        v_cache.index_copy_(0, self.slots, value)
+
+    def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            live: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if live is not None:
+            _refuse("live", "FlashInfer reads every slot of a page for every KV head; Hard-KV's per-head counts need "
+                    "attention='torch'")
+        b = self.block_size
+        h_kv, d = k_cache.shape[1], k_cache.shape[2]
+        pages = (k_cache.view(-1, b, h_kv, d), v_cache.view(-1, b, h_kv, d))
+        out = self.wrapper.run(query[: self.tokens], pages)  # the scale was fixed at plan time
+        if self.rows == self.tokens:
+            return out
+        full = query.new_zeros(query.shape)
+        full[: self.tokens] = out
+        return full
