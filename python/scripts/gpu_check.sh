@@ -69,6 +69,8 @@ echo "== built in $(($(date +%s) - start)) s"
 
 # KVPOLICY_REQUIRE_CUDA: test_cuda.py fails instead of skipping when it cannot run.
 echo "== testing (log: $LOG/pytest.log)"
-KVPOLICY_REQUIRE_CUDA=1 python3 -m pytest python/tests -v -rs -p no:cacheprovider --junitxml="$LOG/junit.xml" \
+# KVP_PYTEST_PATHS: the test files to run (default: all of python/tests).
+# shellcheck disable=SC2086
+KVPOLICY_REQUIRE_CUDA=1 python3 -m pytest ${KVP_PYTEST_PATHS:-python/tests} -v -rs -p no:cacheprovider --junitxml="$LOG/junit.xml" \
   2>&1 | tee "$LOG/pytest.log"
 exit "${PIPESTATUS[0]}"

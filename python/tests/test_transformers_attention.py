@@ -19,7 +19,8 @@ from kvpolicy.integrations import paged_attention  # noqa: E402
 from kvpolicy.integrations.paged_attention import TorchPagedAttention  # noqa: E402
 from kvpolicy.integrations.transformers import Adapter  # noqa: E402
 from kvpolicy.integrations.triggers import Interval  # noqa: E402
-from test_transformers_adapter import BLOCK, prompts, refused, run, small_window, tiny_model  # noqa: E402
+from test_transformers_adapter import BLOCK, VOCAB, prompts, refused, run, small_window, tiny_model  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 
 try:
@@ -158,9 +159,14 @@ def attentions():
 @pytest.mark.parametrize("attention", attentions())
 def test_engine_with_the_adapters_attention_gives_the_engines_tokens(attention, monkeypatch):
     device = "cuda" if attention == "flashinfer" else "cpu"
-    model = tiny_model(device)
-    if device == "cuda":
-        model = model.to(torch.bfloat16)
+    if device == "cuda":  # FlashInfer's kernels take head dims 64, 128 and 256
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
+        model.set_attn_implementation("sdpa")
+    else:
+        model = tiny_model(device)
     inputs = prompts()
     alone = run(model, inputs, 40)
     calls = Calls(monkeypatch)

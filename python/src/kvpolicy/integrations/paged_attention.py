@@ -141,7 +141,9 @@ class FlashInferPagedAttention:
         self.dtype = dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # fa2: compiled at first use in under a minute; "auto" picks the sm90 kernels on Hopper,
+        # whose run-time build takes minutes, for the few steps that carry a prompt chunk.
+        self.prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.wrapper = None
         self.tokens = 0
         self.rows = 0
