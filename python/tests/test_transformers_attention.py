@@ -115,6 +115,8 @@ def test_flashinfer_backend_equals_the_torch_backend(decode_only):
     if decode_only:
         case["batch"] = [(blocks, past + q - 1, 1) for blocks, past, q in case["batch"]]
         case["rows"] = len(case["batch"]) + 2
+        for name in ("query", "new_k", "new_v"):
+            case[name] = case[name][: case["rows"]]
     h_q, h_kv, d = 32, 8, 128
     fi = paged_attention.FlashInferPagedAttention(case["b"], case["trash"], "cuda", case["scale"], h_q, h_kv, d,
                                                   torch.bfloat16)
@@ -122,6 +124,9 @@ def test_flashinfer_backend_equals_the_torch_backend(decode_only):
     out, k, v = run_backend(fi, case)
     expected, k_ref, v_ref = run_backend(ref, case)
     assert (fi.wrapper is fi.decode) == decode_only
+    # Every slot but the trash block (padding rows all write there, in no set order) holds the same bytes.
+    trash = slice(case["trash"], case["trash"] + case["b"])
+    k[trash], v[trash], k_ref[trash], v_ref[trash] = 0, 0, 0, 0
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
@@ -170,6 +175,26 @@ def test_engine_with_the_adapters_attention_gives_the_engines_tokens(attention, 
     inputs = prompts()
     alone = run(model, inputs, 40)
     calls = Calls(monkeypatch)
+    errors = []
+    if attention == "flashinfer":
+        # Each layer's FlashInfer attention beside the torch backend's over the same plan and cache.
+        fi = paged_attention.FlashInferPagedAttention
+        plan, run_fi = fi.plan, fi.run
+
+        def plan_both(backend, batch, rows):
+            plan(backend, batch, rows)
+            backend.reference = TorchPagedAttention(backend.block_size, backend.trash_slot, backend.device,
+                                                    backend.scale)
+            backend.reference.plan(batch, rows)
+
+        def run_both(backend, query, k_cache, v_cache, live=None):
+            out = run_fi(backend, query, k_cache, v_cache, live)
+            ref = backend.reference.run(query.float(), k_cache.float(), v_cache.float())
+            errors.append(float((out.float() - ref).abs().max()))
+            return out
+
+        monkeypatch.setattr(fi, "plan", plan_both)
+        monkeypatch.setattr(fi, "run", run_both)
     watched = Adapter(None, attention=attention)
     out = run(model, inputs, 40, watched)
     layers = model.config.num_hidden_layers
@@ -182,9 +207,10 @@ def test_engine_with_the_adapters_attention_gives_the_engines_tokens(attention, 
     expected = {k: o.generated_tokens for k, o in alone.items()}
     if device == "cpu":
         assert tokens == expected
-    else:  # bf16: a different summation order may flip a near tie late in a sequence
-        same = sum(a == b for k in tokens for a, b in zip(tokens[k], expected[k]))
-        assert same >= 0.9 * sum(len(t) for t in tokens.values())
+    else:
+        # bf16 tokens of a random model flip at near ties under any change of summation order, so the
+        # check is each attention call against fp32 over the same cache (decode and prefill steps).
+        assert len(errors) == layers * len(calls.steps) and max(errors) < 2e-2, max(errors)
     # Detached: the engine runs as shipped again (its mask and slow path back).
     calls.steps.clear()
     again = run(model, inputs, 40)
