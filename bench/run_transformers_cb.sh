@@ -44,7 +44,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/nvidia-s
 
 if [[ $build == 1 ]]; then
   if [[ $tests == 1 ]]; then
-    KVP_PYTEST_PATHS="python/tests/test_transformers_attention.py python/tests/test_transformers_adapter.py" \
+    KVP_PYTEST_PATHS=${KVP_PYTEST_PATHS:-"python/tests/test_transformers_attention.py python/tests/test_transformers_adapter.py"} \
       OUT=$OUT/cb/check bash python/scripts/gpu_check.sh >"$OUT/gpu_check.log" 2>&1 || {
       tail -40 "$OUT/gpu_check.log"; tar -czf "$OUT/cb.tar.gz" -C "$OUT" cb; exit 1; }
     grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_check.log" | tail -40
