@@ -3,7 +3,8 @@
 # pool, FlashInfer's paged decode as the attention of every run (bench/transformers_cb.py,
 # one run per GPU at a time). Carry .whl (scripts/gpu_wheels.sh fetch) and .deps.
 #
-#   OUT=$OUT bash bench/run_transformers_cb.sh [--build] [--tests] --shapes 1b,8b [--deadline S] [-- EXAMPLE ARGS]
+#   OUT=$OUT bash bench/run_transformers_cb.sh [--build] [--tests] --shapes 1b,8b [--deadline S]
+#       [--gpus 0,1] [--jobs 1b:none,1b:snapkv@2048] [-- EXAMPLE ARGS]
 #
 # --build: build and install the kvpolicy Python package with CUDA first (a fresh machine);
 # --tests: then run the transformers adapter's Python tests on the GPU (FlashInfer's included).
@@ -15,13 +16,14 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/build/transformers_cb}
 mkdir -p "$OUT/cb"
-build=0 tests=0 shapes=1b deadline=540
+build=0 tests=0 shapes=1b deadline=540 driver=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) build=1 ;;
     --tests) tests=1 ;;
     --shapes) shapes=$2; shift ;;
     --deadline) deadline=$2; shift ;;
+    --gpus | --jobs) driver+=("$1" "$2"); shift ;;
     --) shift; break ;;
     *) echo "run_transformers_cb.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -56,7 +58,8 @@ fi
 
 start=$(date +%s)
 status=0
-python3 bench/transformers_cb.py --shapes "$shapes" --out "$OUT/cb" --deadline "$deadline" -- "${example[@]}" \
+python3 bench/transformers_cb.py --shapes "$shapes" --out "$OUT/cb" --deadline "$deadline" "${driver[@]}" \
+  -- "${example[@]}" \
   2>&1 | tee "$OUT/driver.log" || status=$?
 echo "== throughput runs: $(($(date +%s) - start)) s"
 cp "$OUT"/cb/transformers_cb.* "$OUT/" 2>/dev/null || true

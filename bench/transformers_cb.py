@@ -34,6 +34,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="1b", help="comma-separated model shapes of the example")
     p.add_argument("--gpus", default=None, help="GPU indices to use (default: all visible)")
+    p.add_argument("--jobs", default=None, help="only these jobs, e.g. 1b:snapkv@2048,8b:none (default: every shape "
+                   "x none and every preset at every budget); --merge-only merges whatever run_*.json --out holds")
     p.add_argument("--out", required=True, help="folder for the per-job logs and JSON, the merged JSON and plots")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds after which nothing new starts and "
                    "running jobs are stopped")
@@ -61,6 +63,12 @@ def jobs_for(args):
         jobs.extend((shape, f"{p}@{b}") for p in presets for b in budgets)
     # Longest first: the engine alone runs fewest requests at once; bigger shapes take longer.
     order = {shape: i for i, shape in enumerate(["8b", "1b", "smollm2", "tiny"])}
+    if args.jobs:
+        wanted = [tuple(j.split(":", 1)) for j in args.jobs.split(",")]
+        missing = [j for j in wanted if j not in jobs]
+        if missing:
+            raise SystemExit(f"--jobs: {missing} are not among --shapes x (none, --presets x --budget)")
+        jobs = wanted
     return sorted(jobs, key=lambda j: (j[1] != "none", order.get(j[0], 9)))
 
 
