@@ -191,6 +191,7 @@ def plot(args, merged):
         ax.set_title(f"{shape}: pool of {a['full_requests']} full requests, {a['requests']} queued,\n"
                      f"prompt {a['prompt_len']} + {a['max_new_tokens']} generated ({m.get('device', '')})", fontsize=9)
         ax.set_ylabel("generated tokens / s")
+        ax.set_ylim(0, 1.18 * max(rates))
     fig.text(0.01, 0.01, "bar labels: mean running requests, compression's share of step time", fontsize=7)
     fig.tight_layout()
     path = os.path.join(args.out, "transformers_cb.png")

@@ -33,7 +33,10 @@ What it does, between decode steps of the engine's own loop:
   from the true position;
 - for Hard-KV (per-head counts), keeps the cautious-update live bytes beside the cache (1
   for every token the engine writes) and runs the attention itself with each KV head's
-  dropped slots masked out.
+  dropped slots masked out;
+- with ``attention="flashinfer"`` (or ``"torch"``), runs the engine's attention itself over
+  its blocks, planned once per step (``kvpolicy.integrations.paged_attention``), with the
+  engine on its decode fast path and without its [tokens, all keys] mask.
 
 Refused at attach time, with the reason: KV-Compress (per-head block tables need the
 per-head decode attention), Kara (its window queries), block sharing / prefix caching,
