@@ -294,8 +294,13 @@ TEST_CASE("shared prefixes compress into targets on the device; bad targets are 
   REQUIRE(free.size() >= 2);
   const std::int32_t shared_block = c.table[0];
   const auto attempt = [&](const std::vector<kvp::batch_item>& items, const std::vector<std::int32_t>& indptr,
-                           const std::vector<std::int32_t>& targets) {
+                           const std::vector<std::int32_t>& targets, std::int32_t marked = -1) {
     device_side dev(c);
+    // The engine's marks: every block held once, `marked` (if any) by another request too.
+    std::vector<std::int32_t> refcounts(static_cast<std::size_t>(c.num_blocks), 1);
+    if (marked >= 0) refcounts[static_cast<std::size_t>(marked)] = 2;
+    const thrust::device_vector<std::int32_t> d_refcounts = to_device(refcounts);
+    if (marked >= 0) dev.cache.sharing.refcounts = thrust::raw_pointer_cast(d_refcounts.data());
     const auto kv_before = to_host(dev.kv);
     device_outputs out(items, 256, c.cfg.layers * c.cfg.kv_heads, c.max_blocks);
     const thrust::device_vector<std::int32_t> d_indptr = to_device(indptr), d_targets = to_device(targets);
@@ -320,8 +325,8 @@ TEST_CASE("shared prefixes compress into targets on the device; bad targets are 
             CHECK(std::memcmp(kv.data() + offset(row), kv_before.data() + offset(row), row_bytes) == 0);
   }
   const auto refused = [&](const std::vector<kvp::batch_item>& items, const std::vector<std::int32_t>& indptr,
-                           const std::vector<std::int32_t>& targets, const char* field) {
-    const auto [status, unchanged, kv, kv_before] = attempt(items, indptr, targets);
+                           const std::vector<std::int32_t>& targets, const char* field, std::int32_t marked = -1) {
+    const auto [status, unchanged, kv, kv_before] = attempt(items, indptr, targets, marked);
     REQUIRE(status[0] != 0);
     CHECK(unchanged);
     try {
@@ -333,6 +338,9 @@ TEST_CASE("shared prefixes compress into targets on the device; bad targets are 
     }
   };
   SUBCASE("a target seq 2 holds") { refused({{1, 1, 192, 0}}, {0, 1}, {c.table[2 * c.max_blocks + 1]}, "batch.targets (item 0)"); }
+  SUBCASE("a target the engine marks as shared") {  // found by the fuzz harness: the device wrote it
+    refused({{1, 1, 192, 0}}, {0, 1}, {free[0]}, "batch.targets.blocks[0]", free[0]);
+  }
   SUBCASE("no target for the shared block") { refused({{1, 1, 192, 0}}, {0, 0}, {-1}, "cache.table[seq 1][0]"); }
   SUBCASE("the prefix's owner in the batch, writing it") {
     refused({{0, 0, 192, 0}, {1, 1, 192, 0}}, {0, 0, 1}, {free[0]}, "cache.table[seq 0][0]");

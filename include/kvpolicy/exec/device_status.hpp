@@ -30,6 +30,7 @@ enum class status_code : std::int32_t {
   targets_over_blocks,       // a = targets given, b = seq, c = blocks the seq holds
   target_out_of_range,       // a = index into targets.blocks, b = block id
   target_held,               // a = block id, b = the sequence holding it, c = the item it is a target of
+  target_marked_shared,      // a = index into targets.blocks, b = block id (cache.sharing marks it)
   prefix_block_written,      // a = seq, b = logical block, c = block id (another item's shared prefix)
   window_begin_invalid,      // a = window_begin, b = seq, c = length, d = block size
   window_without_layout,     // a = window_begin (a layout that is not window-only)
@@ -109,6 +110,9 @@ inline void throw_if_error(const std::int32_t* w) {
                         : detail::format("name block id {}, which seq {} holds (or names as a target too); a target "
                                          "must be free",
                                          a, b));
+    case status_code::target_marked_shared:
+      throw error(detail::format("batch.targets.blocks[{}]", a),
+                  detail::format("is block id {}, which cache.sharing marks as shared; a target must be free", b));
     case status_code::prefix_block_written:
       throw error(entry(), detail::format("is block id {}, which another batch item reads as its shared prefix; a "
                                           "block two sequences share is never written",

@@ -136,6 +136,8 @@ __global__ void __launch_bounds__(row_threads) validate_kernel(P p, paged_kv_vie
     const std::int32_t id = v.targets.block(i, j);
     if (id < 0 || id >= cache.num_blocks)
       report(rs.status, status_code::target_out_of_range, i, v.targets.indptr[i] + j, id);
+    else if (cache.sharing.marked() && cache.sharing.shared(id))  // the engine counts another holder
+      report(rs.status, status_code::target_marked_shared, i, v.targets.indptr[i] + j, id);
   }
 
   if (threadIdx.x != 0) return;
