@@ -248,3 +248,15 @@ def test_refused_attention_arguments():
                                                                                 torch.float32))
     backend = TorchPagedAttention(BLOCK, 0, "cpu", 1.0)
     refused("rows", lambda: backend.plan([([0, 1], 10, 8)], 4), "8 query tokens")
+
+
+@needs_flashinfer
+def test_flashinfer_refuses_models_it_cannot_run_at_attach():
+    from test_transformers_adapter import manager_with
+
+    cpu = tiny_model()  # on the CPU, float32, head dim 16: each refused in turn
+    refused("attention", lambda: Adapter(None, attention="flashinfer").attach(manager_with(cpu)), "CUDA")
+    cuda32 = tiny_model("cuda")
+    refused("attention", lambda: Adapter(None, attention="flashinfer").attach(manager_with(cuda32)), "dtype")
+    cuda16 = tiny_model("cuda").to(torch.bfloat16)
+    refused("attention", lambda: Adapter(None, attention="flashinfer").attach(manager_with(cuda16)), "head dim 16")

@@ -330,6 +330,8 @@ class Adapter:
             _refuse("manager", "already has an adapter attached; two would both rewrite its block tables and "
                     "positions: detach the other first")
         _check_manager(manager, observing_only=not self.takes_attention)
+        if self.attention == "flashinfer":
+            _check_flashinfer(manager.model)
         if self.policy is not None:
             self.trigger_for(manager.continuous_batching_config.block_size)  # a bad budget fails here, not mid-run
         shipped = manager._create_batch_processor
@@ -376,6 +378,25 @@ def _attention_scale(model) -> float:
         _refuse("attention", f"the model's attention layers have scales {sorted(scales)}; the adapter's attention "
                 "plans one scale for every layer")
     return scales.pop()
+
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head dims FlashInfer 0.7's paged decode and prefill compile for
+
+
+def _check_flashinfer(model) -> None:
+    """What attention="flashinfer" needs of the model, checked at attach (not mid-run)."""
+    from transformers.generation.continuous_batching.cache import find_head_dim
+
+    if model.device.type != "cuda":
+        _refuse("attention", f"is 'flashinfer', but the model is on {model.device}; FlashInfer runs on CUDA devices "
+                "(attention='torch' runs anywhere)")
+    if model.dtype not in (torch.float16, torch.bfloat16):
+        _refuse("attention", f"is 'flashinfer', but the model's dtype is {model.dtype}; FlashInfer's paged kernels "
+                "take float16 or bfloat16 caches")
+    head_dim = find_head_dim(model.config.get_text_config())
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        _refuse("attention", f"is 'flashinfer', but the model's head dim is {head_dim}; FlashInfer's paged kernels "
+                f"take {', '.join(map(str, FLASHINFER_HEAD_DIMS))}")
 
 
 def _check_model_config(config) -> None:
