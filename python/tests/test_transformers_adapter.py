@@ -298,6 +298,25 @@ def test_hard_kv_drops_tokens_per_head_and_attention_skips_them():
     assert any(bool((live == 0).any()) and bool((live == 1).any()) for live in seen)
 
 
+def test_hard_kv_holds_at_most_its_budget():
+    """The trigger's budget is Hard-KV's L_upper: no head keeps more, so no request holds more
+    (the preset's own upper, 2048, would let the calibrated top-p sets keep whole rows)."""
+    model = tiny_model()
+    adapter = Adapter(kvpolicy.HardKV(window=8), trigger=Interval(budget=48, period=16))
+    lengths = []
+    shipped = adapter_module._Run._compress
+
+    def compress(self, due):
+        shipped(self, due)
+        lengths.extend(rec.seq.length for rec in due)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(adapter_module._Run, "_compress", compress)
+        run(model, prompts(count=3), 60, adapter)
+    assert lengths and max(lengths) <= 48, lengths
+    assert adapter.stats.tokens_evicted > 0
+
+
 def test_masked_attention_equals_attention_over_each_heads_held_keys():
     torch.manual_seed(3)
     h_q, h_kv, d, q_len, keys = 4, 2, 8, 3, 10

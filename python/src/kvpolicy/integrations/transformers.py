@@ -497,6 +497,7 @@ class _Run:
                          if name in _USES_LIVE else None)
         self.backend = None
         self.engine_state = None
+        self._capped: dict = {}  # Hard-KV: L_upper -> the policy's spec with that cap
         if adapter.attention != "engine":
             device, scale = cache.key_cache[0].device, _attention_scale(model)
             self.backend = (TorchPagedAttention(b, cache.write_trash_index, device, scale)
@@ -732,8 +733,11 @@ class _Run:
                 picks = [rec.slot * w + (rec.seen - w + j) % w for rec in due for j in range(w)]  # oldest first
                 queries = self.ring.index_select(1, torch.tensor(picks, dtype=torch.int64, device=device))
                 queries = queries.view(self.layers, n, w, self.h_q, self.cache.head_dim)
+            spec = self._spec()
+            if self.live is not None:
+                spec, budgets = self._head_adaptive(budgets)
             r = kvpolicy.torch_ops.compress(
-                self._spec(), "nhd", k=self.k, v=self.v, block_table=table,
+                spec, "nhd", k=self.k, v=self.v, block_table=table,
                 lengths=torch.tensor(lengths, dtype=torch.int32, device=device), seqs=list(range(n)),
                 budgets=budgets, history_tokens=[rec.seq.history_tokens for rec in due], queries=queries,
                 scores=self.scores, live=self.live, max_tokens=width * b)
@@ -763,3 +767,17 @@ class _Run:
 
     def _spec(self) -> str:
         return self.adapter._spec
+
+    def _head_adaptive(self, budgets):
+        """Hard-KV's call: each head capped at the trigger's budget B (L_upper, so a request
+        never holds more than B tokens: its length is its largest head's), the items' budget
+        (the top-k union's floor) L_upper / 2 as the authors run it, and never under the
+        protected tokens (tools/fidelity's hard_kv_item_budget is the same rule)."""
+        params = self.policy.params()
+        upper = min(params["upper"], getattr(self.trigger, "budget", None) or max(budgets))
+        spec = self._capped.get(upper)
+        if spec is None:
+            capped = kvpolicy.preset(self.adapter.policy_name, **{**params, "upper": upper})
+            spec = self._capped[upper] = kvpolicy.torch_ops.policy_spec(capped)
+        floor = max(upper // 2, params["protect_window"] + params["sinks"])
+        return spec, [min(b, floor) for b in budgets]
