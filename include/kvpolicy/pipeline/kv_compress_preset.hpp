@@ -13,8 +13,8 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/per_head_item.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
-#include "kvpolicy/exec/host/per_head_compress.hpp"
 #include "kvpolicy/scorer/squared_attention_metric.hpp"
 #include "kvpolicy/select/head_adaptive_blocks.hpp"
 

@@ -8,9 +8,9 @@
 #include <cuda_runtime.h>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/per_head_item.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
 #include "kvpolicy/exec/cuda/common.cuh"
-#include "kvpolicy/exec/host/per_head_compress.hpp"
 #include "kvpolicy/select/head_adaptive_blocks.hpp"
 
 KVP_NAMESPACE_BEGIN

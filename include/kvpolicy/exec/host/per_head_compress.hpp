@@ -9,24 +9,13 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/per_head_item.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
 #include "kvpolicy/exec/host/move_cache.hpp"
 #include "kvpolicy/exec/validate_per_head.hpp"
 #include "kvpolicy/select/head_adaptive_blocks.hpp"
 
 KVP_NAMESPACE_BEGIN
-
-// One sequence of a per-head compression: how many blocks it frees, over all its
-// layers and heads (block_budget::sequence), or per layer (`per_layer`: num_layers
-// counts, block_budget::layer). blocks_to_free_for_tokens / _for_rate turn a token
-// budget or a rate into blocks. `logical_length`: the sequence's position count, when
-// the cache carries positions (slots no longer are positions after a MoveCache).
-struct per_head_item {
-  std::int32_t seq = 0;
-  std::int64_t blocks_to_free = 0;
-  const std::int64_t* per_layer = nullptr;
-  std::int32_t logical_length = -1;
-};
 
 struct per_head_result {
   std::vector<std::vector<std::int32_t>> new_lengths;               // [item][layer * h_kv + head]
