@@ -496,7 +496,8 @@ class _Run:
             self.live = (torch.zeros(self.layers, nb + 2, b, h_kv, dtype=torch.uint8, device=device)
                          if name in _USES_LIVE else None)
         self.backend = None
-        self.engine_state = None
+        self.taken_over = False  # the engine's mask and slow path are the adapter's to give back
+        self.engine_mask = None
         self._capped: dict = {}  # Hard-KV: L_upper -> the policy's spec with that cap
         if adapter.attention != "engine":
             device, scale = cache.key_cache[0].device, _attention_scale(model)
@@ -536,7 +537,7 @@ class _Run:
             # engine builds neither (the mask is [tokens, all keys] wide); decode-only steps take
             # the engine's fast path (no per-token read indices) at every length. Undone by unhook.
             scheduler = processor.scheduler
-            self.engine_state = (io.attention_mask, scheduler.max_decode_fast_path_length)
+            self.taken_over, self.engine_mask = True, io.attention_mask
             io.attention_mask = None
             if self.cache.max_blocks_per_request > 0:
                 scheduler.max_decode_fast_path_length = self.cache.num_pages + 1
@@ -548,12 +549,12 @@ class _Run:
         for obj, name in ((self.processor, "prepare_next_batch"), (self.io, "prepare_batch_tensors"),
                           (self.processor, "update_batch"), (self.cache, "fill_block_table")):
             obj.__dict__.pop(name, None)
-        if self.engine_state is not None:
+        if self.taken_over:
             # The engine's own attention (paged|sdpa) needs its mask and read indices back: a
             # processor made while attached (block table of width 1) never takes the fast path.
-            self.io.attention_mask, _ = self.engine_state
+            self.io.attention_mask, self.engine_mask = self.engine_mask, None
             self.processor.scheduler.max_decode_fast_path_length = 0
-            self.engine_state = None
+            self.taken_over = False
         if _runs_by_cache.get(id(self.cache)) is self:
             del _runs_by_cache[id(self.cache)]
 
