@@ -17,6 +17,8 @@
 
 namespace kvp_capi {
 
+static_assert(KVP_CAPI_STATUS_WORDS == kvp::status_words,
+              "kvp_capi.h's KVP_CAPI_STATUS_WORDS must be the words the libraries copy (kvp::status_words)");
 static_assert(sizeof(kvp::batch_item) == 5 * sizeof(std::int32_t) && alignof(kvp::batch_item) == alignof(std::int32_t),
               "kvp::batch_item is the 5 int32 columns kvp_capi.h names");
 static_assert(static_cast<int>(kvp::dtype::f16) == 0 && static_cast<int>(kvp::dtype::bf16) == 1 &&

@@ -88,7 +88,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zipage_reference as zr  # noqa: E402  (DTYPES, time_runs, default_lib)
 
 INT64_MAX = 2**63 - 1
-STATUS_WORDS = 8  # kvp::status_words
+STATUS_WORDS = 8  # kvp_capi.h's KVP_CAPI_STATUS_WORDS (checked against the library when it loads)
 
 
 # ---------------------------------------------------------------------------
@@ -377,6 +377,9 @@ class Kvpolicy:
         if lib.kvp_capi_per_head_shape_size() != ctypes.sizeof(PerHeadShape):
             raise RuntimeError(f"{path}: struct kvp_capi_per_head_shape is {lib.kvp_capi_per_head_shape_size()} "
                                f"bytes, PerHeadShape {ctypes.sizeof(PerHeadShape)}: rebuild kvp_capi")
+        if lib.kvp_capi_status_words() != STATUS_WORDS:  # the device status tensor is sized from it
+            raise RuntimeError(f"{path}: {lib.kvp_capi_status_words()} status words, {STATUS_WORDS} expected: rebuild "
+                               "kvp_capi")
 
     def _stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream if self.device.type == "cuda" else 0
@@ -416,7 +419,7 @@ class Kvpolicy:
         return list(ms)
 
     def check_status(self, out: Outputs) -> list[int]:
-        words = (ctypes.c_int32 * STATUS_WORDS)()
+        words = (ctypes.c_int32 * self.lib.kvp_capi_status_words())()  # the words the library copies
         self._ok(self.lib.kvp_capi_per_head_status(out.status.data_ptr(), words, self._stream()), "device status")
         return list(words)
 

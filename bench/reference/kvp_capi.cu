@@ -145,6 +145,8 @@ extern "C" {
 
 int kvp_capi_shape_size(void) { return static_cast<int>(sizeof(kvp_capi_shape)); }
 
+int kvp_capi_status_words(void) { return KVP_CAPI_STATUS_WORDS; }
+
 int kvp_capi_workspace_size(const kvp_capi_shape* s, std::size_t* bytes) {
   return guarded([&]() -> int {
     kvp::require(s != nullptr && bytes != nullptr, "kvp_capi_workspace_size", "null argument");

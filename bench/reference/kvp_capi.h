@@ -75,6 +75,12 @@ KVP_CAPI_EXPORT int kvp_capi_shape_size(void);
 /* Workspace bytes kvp_capi_compress needs for this shape. */
 KVP_CAPI_EXPORT int kvp_capi_workspace_size(const kvp_capi_shape* s, size_t* bytes);
 
+/* The status words kvp_capi_status and kvp_capi_per_head_status copy (kvp::status_words):
+ * size host_words from this, or from kvp_capi_status_words() where the header is not read
+ * (ctypes). */
+#define KVP_CAPI_STATUS_WORDS 8
+KVP_CAPI_EXPORT int kvp_capi_status_words(void);
+
 /* One compression, in place: kept K, V and F move; new lengths in the workspace.
  * `stream` is a cudaStream_t as an integer (0: the legacy default stream). */
 KVP_CAPI_EXPORT int kvp_capi_compress(const kvp_capi_shape* s, void* kv_cache, const void* queries, float* f,
@@ -130,7 +136,7 @@ KVP_CAPI_EXPORT int kvp_capi_compress_calibrated(const kvp_capi_shape* s, const 
                                                  const int32_t* items, void* workspace, size_t workspace_bytes,
                                                  uint8_t* keep_masks, float* final_scores, uintptr_t stream);
 
-/* Synchronises `stream`, copies the 6 status words to host_words (may be null);
+/* Synchronises `stream`, copies the KVP_CAPI_STATUS_WORDS status words to host_words (may be null);
  * returns KVP_CAPI_EINVAL with the message when the compression was rejected. */
 KVP_CAPI_EXPORT int kvp_capi_status(const kvp_capi_shape* s, const void* workspace, int32_t* host_words,
                                     uintptr_t stream);
@@ -197,7 +203,7 @@ typedef struct kvp_capi_per_head_shape {
 /* Where the results go. status, new_lengths, freed_counts and freed_blocks are required;
  * the rest may be NULL. Must match `class PerHeadOut(ctypes.Structure)`. */
 typedef struct kvp_capi_per_head_out {
-  int32_t* status;       /* [8] (kvp::status_words): 0 in status[0] means success */
+  int32_t* status;       /* [KVP_CAPI_STATUS_WORDS]: 0 in status[0] means success */
   int32_t* new_lengths;  /* [num_items, num_layers, num_kv_heads]: tokens each head holds after */
   int32_t* freed_counts; /* [num_items, num_layers, num_kv_heads]: blocks each head gives up */
   int32_t* freed_blocks; /* [num_items, num_layers, num_kv_heads, max_blocks]: their ids, in table
@@ -240,7 +246,7 @@ KVP_CAPI_EXPORT int kvp_capi_compress_per_head_staged(const kvp_capi_per_head_sh
                                                       const kvp_capi_per_head_out* out, float* stage_ms,
                                                       uintptr_t stream);
 
-/* Synchronises `stream`, copies the 8 status words at `status` (out->status of a
+/* Synchronises `stream`, copies the KVP_CAPI_STATUS_WORDS status words at `status` (out->status of a
  * compression) to host_words (may be NULL); returns KVP_CAPI_EINVAL with the message
  * when the compression was rejected on the device. */
 KVP_CAPI_EXPORT int kvp_capi_per_head_status(const int32_t* status, int32_t* host_words, uintptr_t stream);

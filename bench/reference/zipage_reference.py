@@ -320,7 +320,7 @@ class Kvpolicy:
         self._ok(rc, "kvp_capi_compress")
 
     def check_status(self, shape, ws):
-        words = (ctypes.c_int32 * 6)()
+        words = (ctypes.c_int32 * self.lib.kvp_capi_status_words())()  # the words the library copies
         rc = self.lib.kvp_capi_status(ctypes.byref(shape), ws.data_ptr(), words, self._stream())
         self._ok(rc, "device status")
         return list(words)
