@@ -54,49 +54,63 @@ def _slots(batch: Batch, block_size: int, rows: int, trash: int) -> list:
     return slots
 
 
-class TorchPagedAttention:
+class _PagedPlan:
+    """What both backends share: the block size, the write trash slot, and each step's slots."""
+
+    def __init__(self, block_size: int, trash_slot: int, device, scale: float):
+        self.block_size = block_size
+        self.trash_slot = trash_slot
+        self.device = torch.device(device)
+        self.scale = scale
+        self.rows = 0
+        self.slots = None
+
+    def _plan_slots(self, batch: Batch, rows: int) -> None:
+        self.rows = rows
+        self.slots = torch.tensor(_slots(batch, self.block_size, rows, self.trash_slot), dtype=torch.int64,
+                                  device=self.device)
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``key``/``value``: ``[rows, h_kv, d]``, into the step's slots."""
+        k_cache.index_copy_(0, self.slots, key)
+        v_cache.index_copy_(0, self.slots, value)
+
+
+class TorchPagedAttention(_PagedPlan):
     """One ``scaled_dot_product_attention`` per request over its gathered blocks (reference)."""
 
     name = "torch"
 
     def __init__(self, block_size: int, trash_slot: int, device, scale: float):
-        self.block_size = block_size
-        self.scale = scale
-        self.trash_slot = trash_slot
-        self.device = torch.device(device)
-        self.batch: list = []
-        self.rows = 0
-        self.slots = None
+        super().__init__(block_size, trash_slot, device, scale)
+        self.requests: list = []  # per request: (first query row, query tokens, key index [n], causal mask [q, n])
 
     def plan(self, batch: Batch, rows: int) -> None:
-        self.batch = [(list(blocks), int(past), int(q)) for blocks, past, q in batch]
-        self.rows = rows
-        self.slots = torch.tensor(_slots(self.batch, self.block_size, rows, self.trash_slot), dtype=torch.int64,
-                                  device=self.device)
-
-    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """``key``/``value``: ``[rows, h_kv, d]``."""
-        k_cache.index_copy_(0, self.slots, key)
-        v_cache.index_copy_(0, self.slots, value)
+        # Each request's gather index and causal mask, once per step for every layer.
+        b, dev = self.block_size, self.device
+        self.requests, start = [], 0
+        for blocks, past, q in batch:
+            n = past + q
+            pages = torch.tensor(list(blocks[: -(-n // b)]), dtype=torch.int64, device=dev)
+            index = (pages[:, None] * b + torch.arange(b, device=dev)).reshape(-1)[:n]
+            # Query token t sits at position past + t: it sees keys 0 .. past + t.
+            allowed = torch.arange(n, device=dev)[None, :] <= (past + torch.arange(q, device=dev))[:, None]
+            self.requests.append((start, q, index, allowed))
+            start += q
+        self._plan_slots(batch, rows)
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             live: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``query``: ``[rows, h_q, d]``; caches ``[slots, h_kv, d]``; ``live``: ``[slots, h_kv]``."""
-        b = self.block_size
         rows, h_q, d = query.shape
         h_kv = k_cache.shape[1]
         group = h_q // h_kv
         out = torch.zeros_like(query)
-        start = 0
-        for blocks, past, q in self.batch:
-            n = past + q
-            pages = torch.tensor(blocks[: -(-n // b)], dtype=torch.int64, device=query.device)
-            index = (pages[:, None] * b + torch.arange(b, device=query.device)).reshape(-1)[:n]
+        for start, q, index, allowed in self.requests:
+            n = index.numel()
             k = k_cache.index_select(0, index).transpose(0, 1)  # [h_kv, n, d]
             v = v_cache.index_select(0, index).transpose(0, 1)
             qq = query[start:start + q].transpose(0, 1).reshape(h_kv, group, q, d)
-            # Query token t sits at position past + t: it sees keys 0 .. past + t.
-            allowed = torch.arange(n, device=query.device)[None, :] <= (past + torch.arange(q, device=query.device))[:, None]
             mask = allowed[None, None].expand(h_kv, 1, q, n)
             if live is not None:
                 held = live.index_select(0, index).bool().t()  # [h_kv, n]
@@ -104,7 +118,6 @@ class TorchPagedAttention:
             o = torch.nn.functional.scaled_dot_product_attention(qq, k[:, None], v[:, None], attn_mask=mask,
                                                                  scale=self.scale, enable_gqa=True)
             out[start:start + q] = o.reshape(h_q, q, d).transpose(0, 1)
-            start += q
         return out
 
 
@@ -122,7 +135,7 @@ def import_flashinfer():
     return flashinfer
 
 
-class FlashInferPagedAttention:
+class FlashInferPagedAttention(_PagedPlan):
     """FlashInfer's paged decode (decode-only steps) or paged prefill (steps with a prompt chunk)."""
 
     name = "flashinfer"
@@ -133,10 +146,7 @@ class FlashInferPagedAttention:
         if device.type != "cuda":
             _refuse("device", f"is {device}; FlashInfer runs on CUDA devices")
         self.flashinfer = import_flashinfer()
-        self.block_size = block_size
-        self.trash_slot = trash_slot
-        self.device = device
-        self.scale = scale
+        super().__init__(block_size, trash_slot, device, scale)
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -146,8 +156,6 @@ class FlashInferPagedAttention:
         self.prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.wrapper = None
         self.tokens = 0
-        self.rows = 0
-        self.slots = None
 
     def plan(self, batch: Batch, rows: int) -> None:
         b = self.block_size
@@ -159,8 +167,8 @@ class FlashInferPagedAttention:
             indptr.append(indptr[-1] + pages)
             last.append(n - (pages - 1) * b)
             qo.append(qo[-1] + q)
-        self.tokens, self.rows = qo[-1], rows
-        self.slots = torch.tensor(_slots(batch, b, rows, self.trash_slot), dtype=torch.int64, device=self.device)
+        self.tokens = qo[-1]
+        self._plan_slots(batch, rows)
         i32 = dict(dtype=torch.int32)
         h_q, h_kv, d = self.heads
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
@@ -172,10 +180,6 @@ class FlashInferPagedAttention:
             self.wrapper = self.prefill
             self.prefill.plan(torch.tensor(qo, **i32), torch.tensor(indptr, **i32), torch.tensor(indices, **i32),
                               torch.tensor(last, **i32), h_q, h_kv, d, b, causal=True, **common)
-
-    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        k_cache.index_copy_(0, self.slots, key)
-        v_cache.index_copy_(0, self.slots, value)
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             live: Optional[torch.Tensor] = None) -> torch.Tensor:

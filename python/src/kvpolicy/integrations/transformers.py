@@ -640,8 +640,8 @@ class _Run:
     def _attention_by_backend(self, layer, query, key, value):
         """The step's new K/V into their slots, then the backend's attention over the blocks."""
         cache, backend = self.cache, self.backend
-        k_cache = cache.key_cache[cache.layer_index_to_group_indices[layer][1]]
-        v_cache = cache.value_cache[cache.layer_index_to_group_indices[layer][1]]
+        j = cache.layer_index_to_group_indices[layer][1]  # the layer's tensors in its (one) group
+        k_cache, v_cache = cache.key_cache[j], cache.value_cache[j]
         backend.write(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1))
         live = None
         if self.live is not None:
