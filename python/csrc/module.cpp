@@ -2,6 +2,7 @@
 // the API). Each register_* binds one part.
 #include <nanobind/nanobind.h>
 
+#include "decode_attention.hpp"
 #include "device_binding.hpp"
 #include "errors.hpp"
 #include "host_compress.hpp"
@@ -17,4 +18,5 @@ NB_MODULE(_core, m) {
   kvpy::register_host_compress(m);
   kvpy::register_device(m);
   kvpy::register_per_head(m);
+  kvpy::register_decode_attention(m);
 }

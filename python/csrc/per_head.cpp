@@ -1,4 +1,5 @@
 #include "per_head.hpp"
+#include "per_head_tensors.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -30,14 +31,6 @@ namespace {
 
 using kv_compress = kvp::presets::kv_compress;
 
-// The view over the caller's tensors, with the arrays it points into kept alive.
-struct per_head_tensors {
-  kvp::per_head_kv_view view{};
-  place at;
-  std::vector<mut_array> written;
-  std::vector<array> read;
-};
-
 template <class A>
 bool same_shape(const A& a, const mut_array& b, std::size_t axes) {
   if (a.ndim() != axes) return false;
@@ -57,13 +50,10 @@ std::int32_t to_i32(std::size_t n, const char* field, const char* what) {
   return static_cast<std::int32_t>(n);
 }
 
-// k, v: [num_blocks, b, d] (one pool for every layer: KV-Compress's unified cache) or
-// [layers, num_blocks, b, d] (a pool per layer); metric float32 and positions int32
-// their shape without d; tables int32 [layers, seqs, h_kv, max_blocks]; lengths int32
-// [layers, seqs, h_kv]. Any strides where the view has one; rows (d) and table rows
-// adjacent.
+}  // namespace
+
 per_head_tensors read_per_head(nb::handle k_arg, nb::handle v_arg, nb::handle metric_arg, nb::handle tables_arg,
-                               nb::handle lengths_arg, nb::handle positions_arg) {
+                               nb::handle lengths_arg, nb::handle positions_arg, bool metric_required) {
   per_head_tensors t;
   mut_array k = writable(k_arg, "k"), v = writable(v_arg, "v");
   require(k.ndim() == 3 || k.ndim() == 4, "k",
@@ -99,11 +89,7 @@ per_head_tensors read_per_head(nb::handle k_arg, nb::handle v_arg, nb::handle me
           "lengths", "has shape {}; tables has {}: expected (layers, seqs, kv_heads) = ({}, {}, {})",
           shape_of(lengths), shape_of(tables), tables.shape(0), tables.shape(1), tables.shape(2));
 
-  mut_array metric = writable(metric_arg, "metric");
-  require_dtype(metric, float32_type, "metric", "float32");
-  require(same_shape(metric, k, k.ndim() - 1), "metric", "has shape {}; expected {} (k's shape without head_dim)",
-          shape_of(metric), shape_text(k, k.ndim() - 1));
-  require_place(place_of(metric, "metric"), t.at, "metric");
+  require(!metric_required || !metric_arg.is_none(), "metric", "is None; the call writes each slot's metric");
 
   kvp::per_head_kv_view& c = t.view;
   c.num_layers = to_i32(tables.shape(0), "tables", "layers");
@@ -123,8 +109,16 @@ per_head_tensors read_per_head(nb::handle k_arg, nb::handle v_arg, nb::handle me
              tables.stride(2)};
   c.lengths = {static_cast<const std::int32_t*>(lengths.data()), nullptr, lengths.stride(0), lengths.stride(1),
                lengths.stride(2)};
-  c.metric = {static_cast<float*>(metric.data()), shared ? 0 : metric.stride(0), metric.stride(o),
-              metric.stride(o + 1)};
+  if (!metric_arg.is_none()) {
+    mut_array metric = writable(metric_arg, "metric");
+    require_dtype(metric, float32_type, "metric", "float32");
+    require(same_shape(metric, k, k.ndim() - 1), "metric", "has shape {}; expected {} (k's shape without head_dim)",
+            shape_of(metric), shape_text(k, k.ndim() - 1));
+    require_place(place_of(metric, "metric"), t.at, "metric");
+    c.metric = {static_cast<float*>(metric.data()), shared ? 0 : metric.stride(0), metric.stride(o),
+                metric.stride(o + 1)};
+    t.written.push_back(std::move(metric));
+  }
   if (!positions_arg.is_none()) {
     mut_array positions = writable(positions_arg, "positions");
     require_dtype(positions, int32_type, "positions", "int32");
@@ -137,11 +131,12 @@ per_head_tensors read_per_head(nb::handle k_arg, nb::handle v_arg, nb::handle me
   }
   t.written.push_back(std::move(k));
   t.written.push_back(std::move(v));
-  t.written.push_back(std::move(metric));
   t.read.push_back(std::move(tables));
   t.read.push_back(std::move(lengths));
   return t;
 }
+
+namespace {
 
 // The items as kvpolicy.compress_per_head passes them: int64 [n, 3] rows (seq,
 // blocks_to_free, logical_length), or [n, 3 + layers] with a per-layer budget (the

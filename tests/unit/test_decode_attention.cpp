@@ -236,7 +236,7 @@ TEST_CASE("decode attention (host): refusals name the field and write nothing") 
   };
   const std::vector<i32> bad_seq = {0, 3};
   refused([&] { kvp::host::decode_attention(c, q, o, 1.0f, {.seqs = bad_seq.data(), .num_items = 2}, sq); },
-          "batch.seqs[1]");
+          "batch[1].seq");
   refused([&] { kvp::host::decode_attention(c, q, o, 0.0f, {.num_items = 1}, sq); }, "scale");
   refused([&] { kvp::host::decode_attention(c, q, o, 1.0f, {.num_items = 1, .layer = 2}, sq); }, "batch.layer");
   auto q_bad = q;

@@ -89,7 +89,8 @@ inline void check_exact(std::span<double> exact, const decode_rows& q, const dec
 
 inline std::int32_t item_seq(const decode_batch& batch, std::int32_t i, std::int32_t num_seqs) {
   const std::int32_t seq = batch.seqs ? batch.seqs[i] : i;
-  require(seq >= 0 && seq < num_seqs, kvp::detail::path("batch.seqs[{}]", i), "is {}; the cache has {} sequences", seq,
+  // Named as the device check names it (status_code::seq_out_of_range): item i's sequence.
+  require(seq >= 0 && seq < num_seqs, kvp::detail::path("batch[{}].seq", i), "is {}; the cache has {} sequences", seq,
           num_seqs);
   return seq;
 }

@@ -14,6 +14,8 @@ from . import errors  # first: the compiled core raises kvpolicy.errors.Error
 from ._core import (GKV, H2O, LAYOUTS, RKV, HardKV, HardKVRKV, Kara, KVCompress, PagedCache, SnapKV, StreamingLLM,
                     Zipage, has_cuda)
 from ._compress import CompressResult, compress, workspace_bytes
+from ._decode_attention import (DecodeAttentionResult, decode_attention, decode_attention_per_head,
+                                decode_attention_per_head_workspace_bytes, decode_attention_workspace_bytes)
 from ._per_head import (MetricResult, PerHeadResult, blocks_to_free, compress_per_head, per_head_metric,
                         per_head_metric_workspace_bytes, per_head_workspace_bytes)
 from .errors import Error
@@ -38,6 +40,7 @@ def preset(name: str, **overrides):
 
 __all__ = [
     "CompressResult",
+    "DecodeAttentionResult",
     "Error",
     "GKV",
     "H2O",
@@ -58,6 +61,10 @@ __all__ = [
     "blocks_to_free",
     "compress",
     "compress_per_head",
+    "decode_attention",
+    "decode_attention_per_head",
+    "decode_attention_per_head_workspace_bytes",
+    "decode_attention_workspace_bytes",
     "has_cuda",
     "per_head_metric",
     "per_head_metric_workspace_bytes",

@@ -1,12 +1,14 @@
-"""kvpolicy.compress and kvpolicy.compress_per_head as PyTorch custom ops,
-``torch.ops.kvpolicy.compress`` and ``torch.ops.kvpolicy.compress_per_head``.
+"""kvpolicy.compress, kvpolicy.compress_per_head and decode attention as PyTorch custom
+ops: ``torch.ops.kvpolicy.compress``, ``compress_per_head``, ``decode_attention`` and
+``decode_attention_per_head``.
 
 Importing this module registers them (PyTorch needed). Each compresses the cache
 tensors in place (declared as mutated, so functionalization and torch.compile see
 the writes), has a fake implementation (shapes only, for tracing), and on CUDA runs
 on the current stream without waiting for it, so it can be captured into a CUDA
-graph. ``compress`` and ``compress_per_head`` below are the calls to use; the ops'
-schemas take only tensors, ints, bools and strings (the policy travels as its JSON spec).
+graph (decode attention writes a new output and, with ``update``, the metric or F).
+``compress``, ``compress_per_head``, ``decode_attention`` and ``decode_attention_per_head``
+below are the calls to use; the ops' schemas take only tensors, ints, bools and strings (the policy travels as its JSON spec).
 
     import kvpolicy, kvpolicy.torch_ops as ops
     r = ops.compress(kvpolicy.SnapKV(), "vllm_flash", kv=layers, block_table=bt, lengths=lens,
@@ -25,6 +27,7 @@ spec recompiles.
 from __future__ import annotations
 
 import json
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -32,6 +35,9 @@ from torch import Tensor
 
 from . import _core
 from ._compress import CompressResult, run
+from ._decode_attention import DecodeAttentionResult
+from ._decode_attention import decode_attention as _decode_attention
+from ._decode_attention import decode_attention_per_head as _decode_attention_per_head
 from ._per_head import PerHeadResult
 from ._per_head import compress_per_head as _compress_per_head
 from .errors import Error
@@ -343,3 +349,164 @@ def compress_per_head(
     if k.device.type != "cuda":
         fields["status"] = None  # the host raised any error already
     return PerHeadResult(**fields)  # on CUDA, check() waits for the stream current then
+
+
+@torch.library.custom_op("kvpolicy::decode_attention_per_head", mutates_args=("metric",))
+def _decode_attention_per_head_op(
+    queries: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tables: Tensor,
+    lengths: Tensor,
+    metric: Optional[Tensor],
+    positions: Optional[Tensor],
+    seqs: Optional[Tensor],
+    query_positions: Optional[Tensor],
+    layer: int,
+    scale: float,
+    update: str,
+    excluded_distance: int,
+    max_tokens: int,
+) -> Tuple[Tensor, Tensor]:
+    r = _decode_attention_per_head(queries, k, v, tables, lengths, layer=layer, seqs=seqs, scale=scale,
+                                   update=None if update == "none" else update, metric=metric, positions=positions,
+                                   excluded_distance=excluded_distance, query_positions=query_positions,
+                                   max_tokens=max_tokens, check=False)
+    status = r.status if r.status is not None else torch.zeros(8, dtype=torch.int32, device=k.device)
+    return r.out, status
+
+
+@_decode_attention_per_head_op.register_fake
+def _(queries, k, v, tables, lengths, metric, positions, seqs, query_positions, layer, scale, update,
+      excluded_distance, max_tokens):
+    return torch.empty_like(queries, memory_format=torch.contiguous_format), torch.empty(8, dtype=torch.int32,
+                                                                                         device=k.device)
+
+
+def decode_attention_per_head(
+    queries: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tables: Tensor,
+    lengths: Tensor,
+    *,
+    layer: int = 0,
+    seqs: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    update: Optional[str] = None,
+    metric: Optional[Tensor] = None,
+    positions: Optional[Tensor] = None,
+    excluded_distance: int = 0,
+    query_positions: Optional[Tensor] = None,
+    max_tokens: int = 0,
+) -> DecodeAttentionResult:
+    """``kvpolicy.decode_attention_per_head`` through ``torch.ops.kvpolicy.decode_attention_per_head``
+    (arguments as it takes them; ``seqs`` and ``query_positions`` int32 tensors where the
+    cache is). ``metric`` is written in place when ``update`` is given. Traceable by
+    torch.compile and capturable in a CUDA graph: it never waits for the device, so
+    device-side validation errors are in ``result.status`` (``result.check()``)."""
+    if update not in (None, "squared", "probability"):
+        raise Error(f"kvpolicy: update: is {update!r}; expected None, 'squared' or 'probability'", "update")
+    scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else float(scale)
+    out, status = torch.ops.kvpolicy.decode_attention_per_head(
+        queries, k, v, tables, lengths, metric, positions, seqs, query_positions, layer, scale, update or "none",
+        excluded_distance, max_tokens)
+    if k.device.type != "cuda":
+        return DecodeAttentionResult(out=out)  # the host raised any error already
+    return DecodeAttentionResult(out=out, status=status, stream=int(torch.cuda.current_stream(k.device).cuda_stream))
+
+
+@torch.library.custom_op("kvpolicy::decode_attention", mutates_args=("scores",))
+def _decode_attention_op(
+    queries: Tensor,
+    layout: str,
+    kv: List[Tensor],
+    k: List[Tensor],
+    v: List[Tensor],
+    block_table: Optional[Tensor],
+    block_indptr: Optional[Tensor],
+    block_indices: Optional[Tensor],
+    lengths: Tensor,
+    live: Optional[Tensor],
+    counts: Optional[Tensor],
+    tail_from: Optional[Tensor],
+    scores: Optional[Tensor],
+    seqs: Optional[Tensor],
+    query_positions: Optional[Tensor],
+    layer: int,
+    scale: float,
+    update: str,
+    excluded_distance: int,
+    max_tokens: int,
+) -> Tuple[Tensor, Tensor]:
+    split = bool(k)
+    cache = _core.PagedCache(
+        layout,
+        None if split else _cache_arg(layout, kv),
+        k=_cache_arg(layout, k) if split else None,
+        v=_cache_arg(layout, v) if split else None,
+        block_table=block_table,
+        block_indptr=block_indptr,
+        block_indices=block_indices,
+        lengths=lengths,
+        live=live,
+    )
+    r = _decode_attention(queries, cache, layer=layer, seqs=seqs, scale=scale, counts=counts, tail_from=tail_from,
+                          update=None if update == "none" else update, scores=scores,
+                          excluded_distance=excluded_distance, query_positions=query_positions,
+                          max_tokens=max_tokens, check=False)
+    status = r.status if r.status is not None else torch.zeros(8, dtype=torch.int32, device=queries.device)
+    return r.out, status
+
+
+@_decode_attention_op.register_fake
+def _(queries, layout, kv, k, v, block_table, block_indptr, block_indices, lengths, live, counts, tail_from, scores,
+      seqs, query_positions, layer, scale, update, excluded_distance, max_tokens):
+    return torch.empty_like(queries, memory_format=torch.contiguous_format), torch.empty(8, dtype=torch.int32,
+                                                                                         device=queries.device)
+
+
+def decode_attention(
+    queries: Tensor,
+    layout: str,
+    *,
+    kv=None,
+    k=None,
+    v=None,
+    block_table: Optional[Tensor] = None,
+    block_indptr: Optional[Tensor] = None,
+    block_indices: Optional[Tensor] = None,
+    lengths: Tensor,
+    live: Optional[Tensor] = None,
+    counts: Optional[Tensor] = None,
+    tail_from: Optional[Tensor] = None,
+    layer: int = 0,
+    seqs: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    update: Optional[str] = None,
+    scores: Optional[Tensor] = None,
+    excluded_distance: int = 0,
+    query_positions: Optional[Tensor] = None,
+    max_tokens: int = 0,
+) -> DecodeAttentionResult:
+    """``kvpolicy.decode_attention`` through ``torch.ops.kvpolicy.decode_attention``, on the
+    cache tensors themselves (as ``compress`` takes them; ``live`` turns on cautious
+    update, ``counts``/``tail_from`` the heads' own counts). Never waits for the device:
+    traceable and capturable; device-side errors are in ``result.status``."""
+    if update not in (None, "squared", "probability"):
+        raise Error(f"kvpolicy: update: is {update!r}; expected None, 'squared' or 'probability'", "update")
+
+    def listed(x):
+        return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+    if not (listed(k) or listed(kv)):
+        raise ValueError("kvpolicy.torch_ops.decode_attention: pass the cache as kv=..., or as k=... and v=...")
+    scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else float(scale)
+    out, status = torch.ops.kvpolicy.decode_attention(
+        queries, layout, listed(kv), listed(k), listed(v), block_table, block_indptr, block_indices, lengths, live,
+        counts, tail_from, scores, seqs, query_positions, layer, scale, update or "none", excluded_distance,
+        max_tokens)
+    if queries.device.type != "cuda":
+        return DecodeAttentionResult(out=out)
+    return DecodeAttentionResult(out=out, status=status,
+                                 stream=int(torch.cuda.current_stream(queries.device).cuda_stream))
