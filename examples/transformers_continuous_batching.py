@@ -31,7 +31,8 @@ attention, the same for every run of the comparison. ``engine`` is the shipped `
 which gathers every running request's K/V each step (figures then measure kvpolicy against
 that engine, not against a fast paged decode); ``flashinfer`` is FlashInfer's paged decode over
 the engine's blocks through the adapter (``Adapter(None, attention="flashinfer")`` for the
-baseline).
+baseline); ``kvpolicy`` is kvpolicy's own decode attention (the one Hard-KV's per-head counts
+can use: FlashInfer refuses them); ``torch`` one SDPA per request (the reference).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", default="256", help="tokens a compressed request keeps (comma-separated: one run each)")
     p.add_argument("--runs", default=None, help="only these runs, e.g. none,snapkv@1024 (default: none and every "
                    "preset at every budget)")
-    p.add_argument("--attention", choices=("engine", "torch", "flashinfer"), default=None,
+    p.add_argument("--attention", choices=("engine", "torch", "flashinfer", "kvpolicy"), default=None,
                    help="who runs the attention (default flashinfer where it imports on CUDA, else engine)")
     p.add_argument("--skip-identity", action="store_true", help="skip the identity check (another process runs it)")
     p.add_argument("--window", type=int, default=None, help="override the presets' observation window")

@@ -1,8 +1,9 @@
-"""The transformers adapter's own attention (``Adapter(..., attention="torch" | "flashinfer")``).
+"""The transformers adapter's own attention (``Adapter(..., attention="torch" | "flashinfer" | "kvpolicy")``).
 
-The torch backend runs everywhere (the CPU in CI); FlashInfer's only where a CUDA device and
-flashinfer-python 0.7.2 are present (the GPU machine: scripts/gpu_wheels.sh install), and is
-held to the torch backend on the same plan.
+The torch backend runs everywhere (the CPU in CI), and so does kvpolicy's (its host reference
+on the CPU, its CUDA kernel on a GPU); FlashInfer's only where a CUDA device and
+flashinfer-python 0.7.2 are present (the GPU machine: scripts/gpu_wheels.sh install). Each is
+held to the formula or to the torch backend on the same plan.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ if not transformers.__version__.startswith("5.17."):
 
 import kvpolicy  # noqa: E402
 from kvpolicy.integrations import paged_attention  # noqa: E402
-from kvpolicy.integrations.paged_attention import TorchPagedAttention  # noqa: E402
+from kvpolicy.integrations.paged_attention import KvpolicyPagedAttention, TorchPagedAttention  # noqa: E402
 from kvpolicy.integrations.transformers import Adapter  # noqa: E402
 from kvpolicy.integrations.triggers import Interval  # noqa: E402
 from test_transformers_adapter import BLOCK, VOCAB, prompts, refused, run, small_window, tiny_model  # noqa: E402
@@ -28,6 +29,7 @@ try:
     HAVE_FLASHINFER = torch.cuda.is_available()
 except kvpolicy.Error:
     HAVE_FLASHINFER = False
+HAVE_KVPOLICY_CUDA = torch.cuda.is_available() and kvpolicy.has_cuda
 needs_flashinfer = pytest.mark.skipif(not HAVE_FLASHINFER, reason="needs a CUDA device and flashinfer-python 0.7.2 "
                                       "(the GPU machine: scripts/gpu_wheels.sh install)")
 
@@ -108,6 +110,48 @@ def test_torch_backend_equals_the_formula_with_and_without_a_live_mask():
     torch.testing.assert_close(out[:tokens].double(), expected[:tokens], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_kvpolicy_backend_equals_the_formula_with_and_without_a_live_mask(decode_only):
+    """kvpolicy's decode attention for one-token requests (the host reference on the CPU), the torch
+    SDPA for prompt chunks; the dropped slots of a live mask are not read."""
+    case = random_case("cpu", torch.float32, seed=3)
+    if decode_only:
+        case["batch"] = [(blocks, past + q - 1, 1) for blocks, past, q in case["batch"]]
+        case["rows"] = len(case["batch"])
+    backend = KvpolicyPagedAttention(case["b"], case["trash"], "cpu", case["scale"])
+    tokens = sum(q for _, _, q in case["batch"])
+    g = torch.Generator().manual_seed(6)
+    for live in (None, (torch.rand(case["k"].shape[0], case["k"].shape[1], generator=g) > 0.4).to(torch.uint8)):
+        backend.plan(case["batch"], case["rows"])
+        k, v = case["k"].clone(), case["v"].clone()
+        backend.write(k, v, case["new_k"][: case["rows"]], case["new_v"][: case["rows"]])
+        if live is not None:
+            live.index_fill_(0, backend.slots, 1)  # the new tokens are held, as the adapter marks them
+        out = backend.run(case["query"][: case["rows"]], k, v, live)
+        expected = dense_reference(case["query"], k, v, case["batch"], case["b"], case["scale"], live)
+        torch.testing.assert_close(out[:tokens].double(), expected[:tokens], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
+        assert (backend.decoding == tokens) == decode_only
+
+
+@pytest.mark.skipif(not HAVE_KVPOLICY_CUDA, reason="needs a CUDA device and kvpolicy's CUDA path")
+def test_kvpolicy_backend_on_cuda_equals_the_torch_backend():
+    case = random_case("cuda", torch.bfloat16, seed=4, h_q=32, h_kv=8, d=128, b=16)
+    g = torch.Generator().manual_seed(7)
+    live = (torch.rand(case["k"].shape[0], 8, generator=g) > 0.3).to(torch.uint8).cuda()
+    ours = KvpolicyPagedAttention(case["b"], case["trash"], "cuda", case["scale"])
+    ref = TorchPagedAttention(case["b"], case["trash"], "cuda", case["scale"])
+    for backend in (ours, ref):
+        backend.plan(case["batch"], case["rows"])
+    k, v = case["k"].clone(), case["v"].clone()
+    ours.write(k, v, case["new_k"], case["new_v"])
+    live.index_fill_(0, ours.slots, 1)
+    out = ours.run(case["query"], k, v, live)
+    expected = ref.run(case["query"].float(), k.float(), v.float(), live)
+    ours.check()  # the device status of the step's calls: no error
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 @needs_flashinfer
 @pytest.mark.parametrize("decode_only", [False, True])
 def test_flashinfer_backend_equals_the_torch_backend(decode_only):
@@ -135,7 +179,7 @@ class Calls:
     """What the engine handed the forward each step, and how often each backend ran."""
 
     def __init__(self, monkeypatch):
-        self.steps, self.runs = [], {"torch": 0, "flashinfer": 0}
+        self.steps, self.runs = [], {"torch": 0, "flashinfer": 0, "kvpolicy": 0}
         shipped = ContinuousBatchingIOs.get_model_kwargs
 
         def get_model_kwargs(io, use_padding=False):
@@ -147,7 +191,7 @@ class Calls:
             return kwargs
 
         monkeypatch.setattr(ContinuousBatchingIOs, "get_model_kwargs", get_model_kwargs)
-        for cls in (TorchPagedAttention, paged_attention.FlashInferPagedAttention):
+        for cls in (TorchPagedAttention, paged_attention.FlashInferPagedAttention, KvpolicyPagedAttention):
             monkeypatch.setattr(cls, "run", self._counting(cls.run, cls.name))
 
     def _counting(self, run, name):
@@ -158,13 +202,14 @@ class Calls:
 
 
 def attentions():
-    return ["torch"] + (["flashinfer"] if HAVE_FLASHINFER else [])
+    """(attention, device): every backend on the CPU where it runs there, and on CUDA where it can."""
+    return ([("torch", "cpu"), ("kvpolicy", "cpu")] + ([("flashinfer", "cuda")] if HAVE_FLASHINFER else [])
+            + ([("kvpolicy", "cuda")] if HAVE_KVPOLICY_CUDA else []))
 
 
-@pytest.mark.parametrize("attention", attentions())
-def test_engine_with_the_adapters_attention_gives_the_engines_tokens(attention, monkeypatch):
-    device = "cuda" if attention == "flashinfer" else "cpu"
-    if device == "cuda":  # FlashInfer's kernels take head dims 64, 128 and 256
+@pytest.mark.parametrize("attention,device", attentions())
+def test_engine_with_the_adapters_attention_gives_the_engines_tokens(attention, device, monkeypatch):
+    if device == "cuda":  # the CUDA kernels take head dim 64 (and others), bf16
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
         torch.manual_seed(0)
@@ -176,9 +221,9 @@ def test_engine_with_the_adapters_attention_gives_the_engines_tokens(attention, 
     alone = run(model, inputs, 40)
     calls = Calls(monkeypatch)
     errors = []
-    if attention == "flashinfer":
-        # Each layer's FlashInfer attention beside the torch backend's over the same plan and cache.
-        fi = paged_attention.FlashInferPagedAttention
+    if device == "cuda":
+        # Each layer's attention beside the torch backend's over the same plan and cache, in fp32.
+        fi = paged_attention.FlashInferPagedAttention if attention == "flashinfer" else KvpolicyPagedAttention
         plan, run_fi = fi.plan, fi.run
 
         def plan_both(backend, batch, rows):
@@ -225,14 +270,26 @@ def test_compression_gives_the_same_tokens_with_either_attention(name, monkeypat
     model = tiny_model()
     inputs = prompts(count=4)
     outs = {}
-    for attention in ("engine", "torch"):
+    for attention in ("engine", "torch", "kvpolicy"):
+        calls.runs = dict.fromkeys(calls.runs, 0)
         trigger = Interval(budget=48, period=16) if name == "hard_kv" else None
         adapter = Adapter(small_window(name), budget=None if trigger else 32, trigger=trigger, attention=attention)
         outs[attention] = run(model, inputs, 70, adapter, num_blocks=48)
         assert adapter.stats.compressions > 0 and adapter.stats.tokens_evicted > 0
         assert (calls.runs["torch"] > 0) == (attention == "torch")
+        assert (calls.runs["kvpolicy"] > 0) == (attention == "kvpolicy")
     tokens = {a: {k: o.generated_tokens for k, o in out.items()} for a, out in outs.items()}
-    assert tokens["torch"] == tokens["engine"]
+    assert tokens["torch"] == tokens["engine"] and tokens["kvpolicy"] == tokens["engine"]
+
+
+@pytest.mark.skipif(not HAVE_KVPOLICY_CUDA, reason="needs a CUDA device and kvpolicy's CUDA path")
+def test_kvpolicy_attention_refuses_models_its_kernel_cannot_run_at_attach():
+    from test_transformers_adapter import manager_with
+
+    refused("attention", lambda: Adapter(None, attention="kvpolicy").attach(manager_with(tiny_model("cuda"))),
+            "dtype")
+    cuda16 = tiny_model("cuda").to(torch.bfloat16)
+    refused("attention", lambda: Adapter(None, attention="kvpolicy").attach(manager_with(cuda16)), "head dim is 16")
 
 
 def test_refused_attention_arguments():
@@ -259,4 +316,4 @@ def test_flashinfer_refuses_models_it_cannot_run_at_attach():
     cuda32 = tiny_model("cuda")
     refused("attention", lambda: Adapter(None, attention="flashinfer").attach(manager_with(cuda32)), "dtype")
     cuda16 = tiny_model("cuda").to(torch.bfloat16)
-    refused("attention", lambda: Adapter(None, attention="flashinfer").attach(manager_with(cuda16)), "head dim 16")
+    refused("attention", lambda: Adapter(None, attention="flashinfer").attach(manager_with(cuda16)), "head dim is 16")

@@ -19,7 +19,8 @@ The engine's cache per layer is ``[(num_blocks + 2) * b, h_kv, d]``: FlashInfer'
 once viewed as ``[num_blocks + 2, b, h_kv, d]``.
 
 ``TorchPagedAttention`` (any device, one SDPA per request) is the reference the tests hold
-``FlashInferPagedAttention`` to. FlashInfer is used through its documented wrappers:
+``FlashInferPagedAttention`` and ``KvpolicyPagedAttention`` (kvpolicy's own decode attention,
+which skips the slots Hard-KV's heads dropped) to. FlashInfer is used through its documented wrappers:
 ``BatchDecodeWithPagedKVCacheWrapper`` when every request has one query token, else
 ``BatchPrefillWithPagedKVCacheWrapper`` (causal, the query aligned to the end of its keys).
 """
@@ -86,26 +87,33 @@ class TorchPagedAttention(_PagedPlan):
         self.requests: list = []  # per request: (first query row, query tokens, key index [n], causal mask [q, n])
 
     def plan(self, batch: Batch, rows: int) -> None:
-        # Each request's gather index and causal mask, once per step for every layer.
+        self._plan_requests(batch, lambda q: True)
+        self._plan_slots(batch, rows)
+
+    def _plan_requests(self, batch: Batch, wanted) -> None:
+        """Each wanted request's gather index and causal mask, once per step for every layer."""
         b, dev = self.block_size, self.device
         self.requests, start = [], 0
         for blocks, past, q in batch:
-            n = past + q
-            pages = torch.tensor(list(blocks[: -(-n // b)]), dtype=torch.int64, device=dev)
-            index = (pages[:, None] * b + torch.arange(b, device=dev)).reshape(-1)[:n]
-            # Query token t sits at position past + t: it sees keys 0 .. past + t.
-            allowed = torch.arange(n, device=dev)[None, :] <= (past + torch.arange(q, device=dev))[:, None]
-            self.requests.append((start, q, index, allowed))
+            if wanted(q):
+                n = past + q
+                pages = torch.tensor(list(blocks[: -(-n // b)]), dtype=torch.int64, device=dev)
+                index = (pages[:, None] * b + torch.arange(b, device=dev)).reshape(-1)[:n]
+                # Query token t sits at position past + t: it sees keys 0 .. past + t.
+                allowed = torch.arange(n, device=dev)[None, :] <= (past + torch.arange(q, device=dev))[:, None]
+                self.requests.append((start, q, index, allowed))
             start += q
-        self._plan_slots(batch, rows)
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             live: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``query``: ``[rows, h_q, d]``; caches ``[slots, h_kv, d]``; ``live``: ``[slots, h_kv]``."""
+        return self._attend_requests(query, k_cache, v_cache, live, torch.zeros_like(query))
+
+    def _attend_requests(self, query, k_cache, v_cache, live, out) -> torch.Tensor:
+        """The planned requests' rows of ``out``, one SDPA each."""
         rows, h_q, d = query.shape
         h_kv = k_cache.shape[1]
         group = h_q // h_kv
-        out = torch.zeros_like(query)
         for start, q, index, allowed in self.requests:
             n = index.numel()
             k = k_cache.index_select(0, index).transpose(0, 1)  # [h_kv, n, d]
@@ -195,3 +203,81 @@ class FlashInferPagedAttention(_PagedPlan):
         full = query.new_zeros(query.shape)
         full[: self.tokens] = out
         return full
+
+
+class KvpolicyPagedAttention(TorchPagedAttention):
+    """kvpolicy's own decode attention (``kvpolicy.decode_attention``) for the requests with one
+    query token, over the engine's blocks as the ``nhd`` layout with Hard-KV's live bytes
+    (cautious update: a head's dropped tokens are not read); requests with a prompt chunk take
+    the torch reference's SDPA. On CUDA the library's split-K kernel (bf16/f16, head dim 64 or
+    128), on the CPU its host reference (any of its dtypes)."""
+
+    name = "kvpolicy"
+
+    def __init__(self, block_size: int, trash_slot: int, device, scale: float):
+        super().__init__(block_size, trash_slot, device, scale)
+        self.decode_rows = None  # query rows of the one-token requests (None: rows 0 .. n - 1)
+        self.decoding = 0
+        self.table = self.lengths = None
+        self.max_tokens = 0
+        self.statuses: list = []  # the device calls' status words, checked at the next plan
+
+    def plan(self, batch: Batch, rows: int) -> None:
+        self.check()
+        b = self.block_size
+        rows_of, tables, lengths, start = [], [], [], 0
+        for blocks, past, q in batch:
+            if q == 1:
+                n = past + 1
+                rows_of.append(start)
+                tables.append(list(blocks[: -(-n // b)]))
+                lengths.append(n)
+            start += q
+        self.decoding = len(rows_of)
+        if self.decoding:
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]  # past a row's length: never read
+            self.table = torch.tensor(padded, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.lengths = torch.tensor(lengths, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.max_tokens = max(lengths)
+            contiguous = rows_of == list(range(self.decoding))
+            self.decode_rows = None if contiguous else torch.tensor(rows_of, dtype=torch.int64, device=self.device)
+        self._plan_requests(batch, lambda q: q > 1)
+        self._plan_slots(batch, rows)
+
+    def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            live: Optional[torch.Tensor] = None) -> torch.Tensor:
+        import kvpolicy
+
+        b = self.block_size
+        h_kv, d = k_cache.shape[1], k_cache.shape[2]
+        everything = self.decoding == self.rows and not self.requests
+        out = None if everything else torch.zeros_like(query)
+        if self.decoding:
+            q = query[: self.decoding] if self.decode_rows is None else query.index_select(0, self.decode_rows)
+            cache = kvpolicy.PagedCache("nhd", k=[k_cache.view(-1, b, h_kv, d)], v=[v_cache.view(-1, b, h_kv, d)],
+                                        block_table=self.table, lengths=self.lengths,
+                                        live=None if live is None else live.view(1, -1, b, h_kv))
+            r = kvpolicy.decode_attention(q, cache, scale=self.scale, max_tokens=self.max_tokens, check=False)
+            if r.status is not None:
+                self.statuses.append(r.status)
+            if everything:
+                return r.out
+            if self.decode_rows is None:
+                out[: self.decoding] = r.out
+            else:
+                out.index_copy_(0, self.decode_rows, r.out)
+        return self._attend_requests(query, k_cache, v_cache, live, out)
+
+    def check(self) -> None:
+        """Raises the kvpolicy.Error a device call of the last step found (one wait for them all)."""
+        if not self.statuses:
+            return
+        import kvpolicy
+
+        words = torch.stack(self.statuses)
+        self.statuses = []
+        bad = torch.nonzero(words.any(dim=1)).flatten().tolist()
+        if bad:
+            kvpolicy.DecodeAttentionResult(out=None, status=words[bad[0]],
+                                           stream=int(torch.cuda.current_stream(words.device).cuda_stream)).check()

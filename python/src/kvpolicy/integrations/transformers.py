@@ -34,12 +34,13 @@ What it does, between decode steps of the engine's own loop:
 - for Hard-KV (per-head counts), keeps the cautious-update live bytes beside the cache (1
   for every token the engine writes) and runs the attention itself with each KV head's
   dropped slots masked out;
-- with ``attention="flashinfer"`` (or ``"torch"``), runs the engine's attention itself over
-  its blocks, planned once per step (``kvpolicy.integrations.paged_attention``), with the
-  engine on its decode fast path and without its [tokens, all keys] mask.
+- with ``attention="flashinfer"``, ``"kvpolicy"`` (kvpolicy's own decode attention, which
+  reads only the slots each Hard-KV head kept) or ``"torch"``, runs the engine's attention
+  itself over its blocks, planned once per step (``kvpolicy.integrations.paged_attention``),
+  with the engine on its decode fast path and without its [tokens, all keys] mask.
 
-Refused at attach time, with the reason: KV-Compress (per-head block tables need the
-per-head decode attention), Kara (its window queries), block sharing / prefix caching,
+Refused at attach time, with the reason: KV-Compress (per-head block tables need a
+per-head block pool beside the engine's), Kara (its window queries), block sharing / prefix caching,
 CPU offloading, asynchronous batching, CUDA graphs and torch.compile of the forward,
 sliding-window layers, tensor parallelism, ``num_return_sequences > 1``, flash paged
 attention, and untested transformers versions.
@@ -67,12 +68,12 @@ import kvpolicy
 import kvpolicy.torch_ops
 
 from ..errors import Error
-from .paged_attention import FlashInferPagedAttention, TorchPagedAttention, import_flashinfer
+from .paged_attention import FlashInferPagedAttention, KvpolicyPagedAttention, TorchPagedAttention, import_flashinfer
 from .triggers import SequenceState, default_trigger
 
 TESTED_TRANSFORMERS = ("5.17",)  # major.minor releases the adapter is tested with
 WRAPPED_ATTENTION = ("paged|sdpa", "paged|eager")  # the engine's paged attention functions it wraps
-ATTENTION = ("engine", "torch", "flashinfer")  # who computes the attention (Adapter's attention=)
+ATTENTION = ("engine", "torch", "flashinfer", "kvpolicy")  # who computes the attention (Adapter's attention=)
 
 _USES_SCORES = frozenset({"zipage", "gkv", "h2o"})  # presets that keep the global score F
 _USES_LIVE = frozenset({"hard_kv", "hard_kv_rkv"})  # per-head counts: the live mask (cautious update)
@@ -194,7 +195,10 @@ class Adapter:
     step (``kvpolicy.integrations.paged_attention``); the engine is switched to its decode fast
     path (no per-token read indices, no mask) for as long as the adapter is attached.
     ``"torch"``: the same plan with one PyTorch SDPA per request (any device; the reference
-    the FlashInfer path is tested against, and the one that masks Hard-KV's dropped slots).
+    the other two are tested against). ``"kvpolicy"``: kvpolicy's own decode attention
+    (``kvpolicy.decode_attention``: on CUDA its split-K kernel, bf16/f16 with head dim 64 or
+    128; on the CPU its host reference) for the one-token requests, skipping the slots
+    Hard-KV's heads dropped, and the torch SDPA for prompt chunks.
     ``Adapter(None, attention="flashinfer")`` runs the engine with that attention and no
     compression: the baseline a comparison needs.
 
@@ -217,8 +221,9 @@ class Adapter:
         if policy is not None:
             if name == "kv_compress":
                 _refuse("policy", "KV-Compress evicts blocks per (layer, KV head), so each head holds its own "
-                        "block table; transformers' paged attention reads one table for every head: it waits for "
-                        "the per-head decode attention (the head-adaptive issue)")
+                        "block table, and transformers' cache and block manager keep one table for every head: "
+                        "the adapter would need a per-head block pool of its own beside the engine's (the "
+                        "per-head decode attention exists: kvpolicy.decode_attention_per_head), not built yet")
             if name == "kara":
                 _refuse("policy", "Kara compresses a window of older tokens with that window's own queries "
                         "(docs/integration.md, section 7); the adapter keeps only the newest queries")
@@ -332,6 +337,8 @@ class Adapter:
         _check_manager(manager, observing_only=not self.takes_attention)
         if self.attention == "flashinfer":
             _check_flashinfer(manager.model)
+        if self.attention == "kvpolicy":
+            _check_kvpolicy_attention(manager.model)
         if self.policy is not None:
             self.trigger_for(manager.continuous_batching_config.block_size)  # a bad budget fails here, not mid-run
         shipped = manager._create_batch_processor
@@ -397,6 +404,27 @@ def _check_flashinfer(model) -> None:
     if head_dim not in FLASHINFER_HEAD_DIMS:
         _refuse("attention", f"is 'flashinfer', but the model's head dim is {head_dim}; FlashInfer's paged kernels "
                 f"take {', '.join(map(str, FLASHINFER_HEAD_DIMS))}")
+
+
+KVPOLICY_HEAD_DIMS = (64, 128)  # head dims kvpolicy's CUDA decode attention is built for
+
+
+def _check_kvpolicy_attention(model) -> None:
+    """What attention="kvpolicy" needs of the model on CUDA, checked at attach (not mid-run)."""
+    from transformers.generation.continuous_batching.cache import find_head_dim
+
+    if model.device.type != "cuda":
+        return  # the host reference takes any head dim and float32 too
+    if not kvpolicy.has_cuda:
+        _refuse("attention", "is 'kvpolicy' with the model on CUDA, but this kvpolicy was built without its CUDA "
+                "path (KVPOLICY_PYTHON_CUDA=OFF or no nvcc)")
+    if model.dtype not in (torch.float16, torch.bfloat16):
+        _refuse("attention", f"is 'kvpolicy', but the model's dtype is {model.dtype}; kvpolicy's CUDA decode "
+                "attention takes float16 or bfloat16 caches")
+    head_dim = find_head_dim(model.config.get_text_config())
+    if head_dim not in KVPOLICY_HEAD_DIMS:
+        _refuse("attention", f"is 'kvpolicy', but the model's head dim is {head_dim}; kvpolicy's CUDA decode "
+                f"attention is built for {', '.join(map(str, KVPOLICY_HEAD_DIMS))}")
 
 
 def _check_model_config(config) -> None:
@@ -501,11 +529,13 @@ class _Run:
         self._capped: dict = {}  # Hard-KV: L_upper -> the policy's spec with that cap
         if adapter.attention != "engine":
             device, scale = cache.key_cache[0].device, _attention_scale(model)
-            self.backend = (TorchPagedAttention(b, cache.write_trash_index, device, scale)
-                            if adapter.attention == "torch" else
-                            FlashInferPagedAttention(b, cache.write_trash_index, device, scale,
-                                                     processor.config.num_attention_heads, h_kv, cache.head_dim,
-                                                     cache.dtype))
+            if adapter.attention == "flashinfer":
+                self.backend = FlashInferPagedAttention(b, cache.write_trash_index, device, scale,
+                                                        processor.config.num_attention_heads, h_kv, cache.head_dim,
+                                                        cache.dtype)
+            else:
+                backend = KvpolicyPagedAttention if adapter.attention == "kvpolicy" else TorchPagedAttention
+                self.backend = backend(b, cache.write_trash_index, device, scale)
         self._hook()
 
     # -- hooks on the batch processor's instance -------------------------------------------
