@@ -6,6 +6,9 @@ The cache is what transformers' continuous batching keeps per layer: one K and o
 tensor of [num_blocks * b, h_kv, d], viewed as [num_blocks, b, h_kv, d] (FlashInfer's
 NHD with K and V given apart). Each sequence's blocks are drawn at random from the pool.
 Every configuration is checked against an fp32 PyTorch reference before it is timed.
+With kvpolicy installed (its CUDA path), kvpolicy.decode_attention runs on the same cache
+beside it (the plain and the staged split kernel; workspace and output allocated once, as
+an engine would), the call as Python makes it: host checks and launches included.
 
 Run on the GPU machine (FlashInfer from scripts/gpu_wheels.sh):
   python3 bench/reference/flashinfer_decode.py --json out.json
@@ -73,9 +76,45 @@ def run_config(torch, flashinfer, seqs, tokens, b, args, copy_gbs):
     row = {"seqs": seqs, "tokens": tokens, "block_size": b, "h_q": h_q, "h_kv": h_kv, "head_dim": d,
            "dtype": args.dtype, "ms": ms, "kv_bytes": kv_bytes, "kv_gbs": gbs, "copy_fraction": gbs / copy_gbs,
            "rel_error_fp32": rel, "first_plan_s": plan_s}
+    row["kvpolicy"] = kvpolicy_rows(torch, q, k_blocks, v_blocks, tables, tokens, scale, ref, check, kv_bytes,
+                                    copy_gbs, args.reps)
     del k, v, workspace
     torch.cuda.empty_cache()
     return row
+
+
+def kvpolicy_rows(torch, q, k_blocks, v_blocks, tables, tokens, scale, ref, check, kv_bytes, copy_gbs, reps):
+    """kvpolicy.decode_attention over the same NHD cache (plain and staged kernels), or None."""
+    try:
+        import kvpolicy
+    except ImportError:
+        return None
+    if not kvpolicy.has_cuda:
+        return None
+    seqs = q.shape[0]
+    lengths = torch.full((seqs,), tokens, dtype=torch.int32, device="cuda")
+    cache = kvpolicy.PagedCache("nhd", k=[k_blocks], v=[v_blocks], block_table=tables, lengths=lengths)
+    out = torch.empty_like(q)
+    rows = {}
+    for staged in (False, True):
+        need = kvpolicy.decode_attention(q, cache, scale=scale, max_tokens=tokens, staged=staged, workspace=None,
+                                         out=out, describe=True)
+        workspace = torch.empty(kvpolicy.decode_attention_workspace_bytes(q, cache, max_tokens=tokens, staged=staged),
+                                dtype=torch.uint8, device="cuda")
+
+        def call():
+            return kvpolicy.decode_attention(q, cache, scale=scale, max_tokens=tokens, staged=staged,
+                                             workspace=workspace, out=out, check=False)
+
+        call().check()
+        rel = float((out[check].float() - ref).norm() / ref.norm())
+        if not math.isfinite(rel) or rel > 1e-2:
+            raise SystemExit(f"flashinfer_decode: kvpolicy staged={staged}: relative error {rel:.3g} against fp32")
+        ms = common.median_ms(torch, call, reps)
+        gbs = kv_bytes / (ms * 1e-3) / 1e9
+        rows["staged" if staged else "plain"] = {"ms": ms, "kv_gbs": gbs, "copy_fraction": gbs / copy_gbs,
+                                                 "rel_error_fp32": rel, "plan": need}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -97,6 +136,9 @@ def main(argv=None) -> int:
             print(f"{seqs:4d} x {tokens:5d} b {b:3d}: {r['ms']:.3f} ms, {r['kv_gbs']:.0f} GB/s of K/V, "
                   f"{r['copy_fraction']:.3f} of copy ({copy_gbs:.0f} GB/s), rel err {r['rel_error_fp32']:.1e}, "
                   f"first plan {r['first_plan_s']:.1f} s", flush=True)
+            for name, k in (r["kvpolicy"] or {}).items():
+                print(f"    kvpolicy {name}: {k['ms']:.3f} ms, {k['kv_gbs']:.0f} GB/s, {k['copy_fraction']:.3f} of copy "
+                      f"({r['ms'] / k['ms']:.2f}x FlashInfer's speed), rel err {k['rel_error_fp32']:.1e}", flush=True)
     common.write_json(args, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                              "flashinfer": flashinfer.__version__, "import_s": import_s, "copy_gbs": copy_gbs,
                              "rows": rows})
