@@ -11,6 +11,7 @@
 
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/batch.hpp"
+#include "kvpolicy/core/communicator.hpp"
 #include "kvpolicy/core/destination_table.hpp"
 #include "kvpolicy/core/head_index.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
@@ -56,10 +57,17 @@ struct host_executor {
   // before writing anything when an input is malformed.
   // A window-only layout (layout::window_compact) compresses [window_begin, T) of
   // each item as if it were the whole sequence; its masks and scores cover the window.
-  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  //
+  // Tensor parallelism: `cache` (and queries, F) describe this rank's KV heads
+  // (slice_heads, core/head_slice.hpp), `comm` the engine's communicator; every rank
+  // makes the same call. Each rank scores, selects and moves its own heads; the items'
+  // new lengths are reduced (max) over the ranks before blocks are released, so every
+  // rank returns the same lengths, tables and released blocks, and each head the bytes
+  // a single-rank call over all heads gives it.
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L, HostCommunicator C = single_rank>
   host_result compress(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
                        const query_window_view& queries, const score_view& scores,
-                       const compression_batch& batch) const {
+                       const compression_batch& batch, const C& comm = {}) const {
     validate_shapes(p, cache, queries, scores, batch);
     validate_windows(p, cache, batch);
     // On the engine's rows, before any is shifted to its window: the blocks before a
@@ -67,11 +75,11 @@ struct host_executor {
     validate_batch(p, cache, queries, batch);
     if constexpr (window_only<L>()) {
       const host::window_rows windows(cache, batch.items);
-      host_result out = compress_rows(p, windows.view(), queries, scores, batch);
+      host_result out = compress_rows(p, windows.view(), queries, scores, batch, comm);
       windows.restore(out, cache, batch.items);
       return out;
     } else {
-      return compress_rows(p, cache, queries, scores, batch);
+      return compress_rows(p, cache, queries, scores, batch, comm);
     }
   }
 
@@ -83,10 +91,10 @@ struct host_executor {
   }
 
  private:
-  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L>
+  template <Scorer S, Aggregator A, Redundancy R, Selector Sel, Layout L, HostCommunicator C>
   host_result compress_rows(const pipeline<S, A, R, Sel, L>& p, const paged_kv_view& cache,
                             const query_window_view& queries, const score_view& scores,
-                            const compression_batch& batch) const {
+                            const compression_batch& batch, const C& comm) const {
     const layer_range layers = resolve_layers(batch, cache);
     const std::int32_t H = cache.num_kv_heads, d = cache.head_dim, b = cache.block_size;
     constexpr bool with_f = uses_score_cache<A>();
@@ -217,7 +225,14 @@ struct host_executor {
         }
       }
       out.new_lengths[i] = new_length;
-      const std::int32_t used = (T + b - 1) / b, kept_blocks = (new_length + b - 1) / b;
+    }
+    // A block is free once no head of any rank holds a token in it.
+    comm.all_reduce(std::span<std::int32_t>(out.new_lengths), reduce_op::max);
+    for (std::size_t i = 0; i < items; ++i) {
+      const batch_item& it = batch.items[i];
+      const std::int32_t T = cache.lengths[it.seq];
+      const destination_table to = destination_table::of(cache.table, it.seq, batch.targets, static_cast<std::int32_t>(i));
+      const std::int32_t used = (T + b - 1) / b, kept_blocks = (out.new_lengths[i] + b - 1) / b;
       for (std::int32_t blk = 0; blk < kept_blocks; ++blk) out.new_tables[i].push_back(to.block(blk));
       for (std::int32_t blk = kept_blocks; blk < used; ++blk) out.released_blocks[i].push_back(to.block(blk));
       for (std::int32_t blk = 0; blk < to.shared; ++blk) out.unshared_blocks[i].push_back(cache.table.block(it.seq, blk));

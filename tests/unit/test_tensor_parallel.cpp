@@ -1,0 +1,164 @@
+// Tensor parallelism on the host: each simulated rank (a thread) compresses its slice
+// of the KV heads (slice_heads) with an in-process communicator; every rank's lengths,
+// tables and released blocks, and every head's bytes, equal one call over all heads.
+#include <doctest/doctest.h>
+
+#include <barrier>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "support/test_cache.hpp"
+
+namespace {
+
+using kvp_test::test_cache;
+
+// R ranks in one process: each all_reduce waits for every rank's values, reduces them,
+// and waits again before the buffers are reused. Records what each rank brought.
+class in_process_ranks {
+ public:
+  explicit in_process_ranks(int ranks) : ranks_(ranks), sync_(ranks), values_(static_cast<std::size_t>(ranks)) {}
+
+  struct communicator {
+    in_process_ranks* group = nullptr;
+    int rank = 0;
+    template <class T>
+    void all_reduce(std::span<T> v, kvp::reduce_op op) const {
+      group->reduce(rank, v, op);
+    }
+  };
+  communicator rank(int r) { return {this, r}; }
+
+  // Per call, per rank, the values it brought (before the reduction).
+  std::vector<std::vector<std::vector<double>>> calls;
+
+ private:
+  template <class T>
+  void reduce(int rank, std::span<T> v, kvp::reduce_op op) {
+    values_[static_cast<std::size_t>(rank)].assign(v.begin(), v.end());
+    sync_.arrive_and_wait();
+    for (std::size_t j = 0; j < v.size(); ++j) {
+      double acc = values_[0].at(j);
+      for (int r = 1; r < ranks_; ++r) {
+        const double x = values_[static_cast<std::size_t>(r)].at(j);
+        acc = op == kvp::reduce_op::max ? std::max(acc, x) : acc + x;
+      }
+      v[j] = static_cast<T>(acc);
+    }
+    if (rank == 0) {
+      const std::lock_guard<std::mutex> hold(mutex_);
+      calls.push_back(values_);
+    }
+    sync_.arrive_and_wait();
+  }
+
+  int ranks_;
+  std::barrier<> sync_;
+  std::mutex mutex_;
+  std::vector<std::vector<double>> values_;
+};
+
+static_assert(kvp::HostCommunicator<in_process_ranks::communicator>);
+
+kvp_test::cache_config config(kvp::dtype type, bool live) {
+  return {.layers = 2, .block_size = 8, .kv_heads = 4, .head_dim = 16, .type = type, .lengths = {120, 96, 57},
+          .capacity_blocks = 16, .layout = kvp_test::cache_layout::hnd, .q_heads = 8, .window = 32, .seed = 23,
+          .live = live};
+}
+
+// One call over every head, then `ranks` calls over slices of the same cache (a second
+// copy), and compares.
+template <class Preset>
+void check_ranks(Preset p, int ranks, bool live, bool expect_coupling) {
+  for (const auto type : {kvp::dtype::f32, kvp::dtype::bf16}) {
+    CAPTURE(kvp::name_of(type));
+    CAPTURE(ranks);
+    test_cache whole(config(type, live)), split(config(type, live));
+    const std::vector<kvp::batch_item> items{{.seq = 0, .query_slot = 0, .budget = 48},
+                                             {.seq = 2, .query_slot = 2, .budget = 40}};
+    const kvp::compression_batch batch{.items = items};
+    const kvp::host_result one = kvp::host_executor{}.compress(p, whole.view(), whole.queries(), whole.scores(), batch);
+
+    const int H = 4, per = H / ranks, L = 2;
+    in_process_ranks group(ranks);
+    std::vector<kvp::host_result> results(static_cast<std::size_t>(ranks));
+    {
+      std::vector<std::jthread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] {
+          const kvp::paged_kv_view view = kvp::slice_heads(split.view(), r * per, per);
+          const kvp::query_window_view queries = kvp::slice_heads(split.queries(), r * per, per, H);
+          const kvp::score_view scores = kvp::slice_heads(split.scores(), r * per, per, H);
+          results[static_cast<std::size_t>(r)] =
+              kvp::host_executor{}.compress(p, view, queries, scores, batch, group.rank(r));
+        });
+    }
+    REQUIRE(group.calls.size() == 1);  // one reduction per compression
+    bool coupled = false;
+    for (std::size_t i = 0; i < items.size(); ++i)
+      for (int r = 1; r < ranks; ++r) coupled = coupled || group.calls[0][r][i] != group.calls[0][0][i];
+    CHECK(coupled == expect_coupling);  // whether the ranks' own longest heads differed
+
+    for (int r = 0; r < ranks; ++r) {
+      CAPTURE(r);
+      const kvp::host_result& mine = results[static_cast<std::size_t>(r)];
+      CHECK(mine.new_lengths == one.new_lengths);
+      CHECK(mine.new_tables == one.new_tables);
+      CHECK(mine.released_blocks == one.released_blocks);
+      for (std::size_t i = 0; i < items.size(); ++i)
+        for (int l = 0; l < L; ++l)
+          for (int h = 0; h < per; ++h)
+            CHECK(mine.kept_counts[i][static_cast<std::size_t>(l * per + h)] ==
+                  one.kept_counts[i][static_cast<std::size_t>(l * H + r * per + h)]);
+    }
+    // Every byte: K, V, F, positions and live bytes of every head, moved or not.
+    const auto a = whole.take_snapshot(), b = split.take_snapshot();
+    CHECK(a.buffers == b.buffers);
+    CHECK(a.f == b.f);
+    CHECK(a.positions == b.positions);
+    CHECK(a.live == b.live);
+  }
+}
+
+TEST_CASE("tensor parallelism: Hard-KV's heads on 2 and 4 ranks release past the largest count of all ranks") {
+  kvp::presets::hard_kv p;
+  p.protect = {.window = 8, .sinks = 1};
+  for (const int ranks : {2, 4}) check_ranks(p, ranks, /*live=*/true, /*expect_coupling=*/true);
+}
+
+TEST_CASE("tensor parallelism: Hard-KV over R-KV's scores on 2 ranks") {
+  kvp::presets::hard_kv_rkv p;
+  p.protect = {.window = 8, .sinks = 1};
+  check_ranks(p, 2, /*live=*/true, /*expect_coupling=*/true);
+}
+
+TEST_CASE("tensor parallelism: uniform presets compress each rank's slice alone (the reduction changes nothing)") {
+  for (const int ranks : {2, 4}) {
+    check_ranks(kvp::presets::zipage{}, ranks, false, false);
+    check_ranks(kvp::presets::snapkv{}, ranks, false, false);
+    check_ranks(kvp::presets::rkv{}, ranks, false, false);
+  }
+}
+
+TEST_CASE("slice_heads: a slice outside the cache's heads is refused, naming it") {
+  test_cache tc(config(kvp::dtype::f32, false));
+  CHECK_THROWS_WITH_AS(kvp::slice_heads(tc.view(), 3, 2), doctest::Contains("heads"), kvp::error);
+  CHECK_THROWS_WITH_AS(kvp::slice_heads(tc.view(), 0, 0), doctest::Contains("not a non-empty slice"), kvp::error);
+  CHECK_THROWS_WITH_AS(kvp::slice_heads(tc.queries(), -1, 2, 4), doctest::Contains("heads"), kvp::error);
+  auto q = tc.queries();
+  q.num_q_heads = 6;
+  CHECK_THROWS_WITH_AS(kvp::slice_heads(q, 0, 2, 4), doctest::Contains("queries.num_q_heads"), kvp::error);
+  // A slice's head h is the whole's head first + h, its query heads first * G onwards.
+  const kvp::paged_kv_view whole = tc.view(), part = kvp::slice_heads(whole, 2, 2);
+  CHECK(part.num_kv_heads == 2);
+  CHECK(part.k_row(1, 0, 5, 1) == whole.k_row(1, 0, 5, 3));
+  CHECK(part.v_row(0, 1, 9, 0) == whole.v_row(0, 1, 9, 2));
+  const auto qs = kvp::slice_heads(tc.queries(), 2, 2, 4);
+  CHECK(qs.num_q_heads == 4);
+  CHECK(qs.row(1, 0, 3, 1) == tc.queries().row(1, 0, 3, 5));
+}
+
+}  // namespace
