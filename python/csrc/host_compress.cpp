@@ -7,6 +7,7 @@
 
 #include <kvpolicy/core/error.hpp>
 #include <kvpolicy/exec/host_executor.hpp>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/variant.h>
 
 #include "items.hpp"
@@ -21,9 +22,25 @@ using kvp::require;
 namespace kvpy {
 namespace {
 
+// A Python object with all_reduce(array, op) as the host executor's communicator (tensor
+// parallelism, core/communicator.hpp): called with the GIL held, on a NumPy array over
+// the executor's own values, which it reduces in place over every rank.
+struct python_communicator {
+  nb::handle object;
+  template <class T>
+  void all_reduce(std::span<T> values, kvp::reduce_op op) const {
+    nb::gil_scoped_acquire held;
+    const std::size_t shape[1] = {values.size()};
+    nb::ndarray<nb::numpy, T, nb::ndim<1>> view(values.data(), 1, shape, nb::handle());
+    // A reference, not a copy: the reduction lands in the executor's buffer.
+    object.attr("all_reduce")(nb::cast(view, nb::rv_policy::reference), op == kvp::reduce_op::max ? "max" : "sum");
+  }
+};
+static_assert(kvp::HostCommunicator<python_communicator>);
+
 nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle items_arg, nb::handle queries_arg,
                        nb::handle scores_arg, std::int32_t layer_begin, std::int32_t layer_count,
-                       std::int32_t max_tokens, bool return_masks, bool return_scores) {
+                       std::int32_t max_tokens, bool return_masks, bool return_scores, nb::handle communicator) {
   const cache_description& c = cache.desc;
   require(!c.on_device, "cache", "lives on CUDA device {}; host_compress runs on host memory", c.device_id);
   const array items = readable(items_arg, "items");
@@ -42,7 +59,14 @@ nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle i
   {
     nb::gil_scoped_release quiet;  // the executor touches no Python object
     const kvp::host_executor ex{.record_keep_masks = return_masks, .record_scores = return_scores};
-    r = std::visit([&](const auto& p) { return ex.compress(p, view, queries, scores, batch); }, pol);
+    if (communicator.is_none())
+      r = std::visit([&](const auto& p) { return ex.compress(p, view, queries, scores, batch); }, pol);
+    else
+      r = std::visit(
+          [&](const auto& p) {
+            return ex.compress(p, view, queries, scores, batch, python_communicator{communicator});
+          },
+          pol);
   }
 
   // Per-item results padded to one width: the longest batch sequence, or max_tokens. A
@@ -92,7 +116,7 @@ nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle i
 void register_host_compress(nb::module_& m) {
   m.def("host_compress", &host_compress, nb::arg("policy"), nb::arg("cache"), nb::arg("items"),
         nb::arg("queries").none(), nb::arg("scores").none(), nb::arg("layer_begin"), nb::arg("layer_count"),
-        nb::arg("max_tokens"), nb::arg("return_masks"), nb::arg("return_scores"),
+        nb::arg("max_tokens"), nb::arg("return_masks"), nb::arg("return_scores"), nb::arg("communicator").none(),
         "kvp::host_executor over host arrays (kvpolicy.compress is the API).");
 }
 

@@ -154,6 +154,7 @@ def compress(
     stream=None,
     workspace=None,
     check: bool = True,
+    communicator=None,
 ) -> CompressResult:
     """Compresses the sequences ``seqs`` of ``cache`` in place with ``policy``.
 
@@ -185,6 +186,14 @@ def compress(
     check           device: wait for the stream and raise the error a device-side
                     validation found. ``False`` returns without waiting (needed under
                     CUDA graph capture); call ``result.check()`` later.
+    communicator    tensor parallelism (host caches): ``cache``, ``queries`` and
+                    ``scores`` hold this rank's KV heads, and ``communicator`` (an object
+                    with ``all_reduce(array, "max" | "sum")`` reducing a NumPy array in
+                    place over every rank, e.g.
+                    ``kvpolicy.integrations.torch_distributed.TorchDistributed()``)
+                    makes the new lengths and released blocks those of all heads. Every
+                    rank makes the same call; each head ends as one call over all heads
+                    leaves it.
 
     Items may be device arrays (PyTorch or CuPy) on the device path, and are then
     read there; host values are baked into the launch (and into a captured graph).
@@ -209,6 +218,7 @@ def compress(
         stream=stream,
         workspace=workspace,
         check=check,
+        communicator=communicator,
     )
 
 
@@ -227,12 +237,13 @@ def run(
     stream=None,
     workspace=None,
     check: bool = True,
+    communicator=None,
 ) -> CompressResult:
     """``compress`` with the items as one int32 array [n, 5] of rows (seq, query_slot,
     budget, history_tokens, window_begin), host or device: what the torch op passes."""
     with _naming_keywords():
         return _run(policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens, return_masks,
-                    return_scores, stream, workspace, check)
+                    return_scores, stream, workspace, check, communicator)
 
 
 # The library names a missing view by its field (scores.base); a Python caller needs the
@@ -257,13 +268,21 @@ def _naming_keywords():
 
 
 def _run(policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens, return_masks, return_scores,
-         stream, workspace, check) -> CompressResult:
+         stream, workspace, check, communicator=None) -> CompressResult:
+    if communicator is not None and not callable(getattr(communicator, "all_reduce", None)):
+        raise Error(f"kvpolicy: communicator: is a {type(communicator).__name__}; expected an object with "
+                    "all_reduce(array, op)", "communicator")
     if cache.device is None:
         out = _core.host_compress(
-            policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or 0, return_masks, return_scores
+            policy, cache, items, queries, scores, layer_begin, layer_count, max_tokens or 0, return_masks,
+            return_scores, communicator
         )
         return CompressResult(**{name: host_result(a, cache.framework) for name, a in out.items()})
 
+    if communicator is not None:
+        raise Error("kvpolicy: communicator: the CUDA path takes no communicator yet (tensor parallelism runs on "
+                    "the host executor so far): compress each rank's heads on the host, or wait for the device "
+                    "path", "communicator")
     h = stream_handle(stream, cache.framework, cache.device)
     if check and _core.stream_is_capturing(h):
         raise Error(
