@@ -6,16 +6,15 @@ and with a GPU the CUDA path against the host path (bf16/f16, d 64/128, G 1-8, t
 staged kernel, the metric, a CUDA graph replay)."""
 
 import math
-import os
 
 import numpy as np
 import pytest
 
 import kvpolicy
 from paged_case import make_case as make_paged_case
+from test_kv_compress import _cuda
 from test_kv_compress import make_case as make_per_head_case
 
-REQUIRED = os.environ.get("KVPOLICY_REQUIRE_CUDA") == "1"
 
 
 # ---------------------------------------------------------------------------------------
@@ -247,15 +246,6 @@ def test_torch_ops_on_the_cpu():
 
 # ---------------------------------------------------------------------------------------
 # The CUDA path: the same results as the host path (skipped without a GPU)
-
-
-def _cuda():
-    torch = pytest.importorskip("torch") if not REQUIRED else __import__("torch")
-    if not REQUIRED and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not REQUIRED and not kvpolicy.has_cuda:
-        pytest.skip("kvpolicy built without its CUDA path")
-    return torch
 
 
 def _device_case(torch, case, dtype):

@@ -96,6 +96,23 @@ def _cache_arg(layout: str, tensors: List[Tensor]):
     return list(tensors)
 
 
+def _paged_cache(layout, kv, k, v, block_table, block_indptr, block_indices, lengths, positions, live):
+    """The PagedCache an op's tensor arguments describe: kv=..., or k=... and v=..."""
+    split = bool(k)
+    return _core.PagedCache(
+        layout,
+        None if split else _cache_arg(layout, kv),
+        k=_cache_arg(layout, k) if split else None,
+        v=_cache_arg(layout, v) if split else None,
+        block_table=block_table,
+        block_indptr=block_indptr,
+        block_indices=block_indices,
+        lengths=lengths,
+        positions=positions,
+        live=live,
+    )
+
+
 def _sizes(layout: str, tensors: List[Tensor]):
     """(layers, block_size, KV heads) read off the cache tensors' shapes."""
     axes, _, per_layer, _ = _core.LAYOUTS[layout]
@@ -131,19 +148,7 @@ def _compress_op(
     max_tokens: int,
     return_masks: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    split = bool(k)
-    cache = _core.PagedCache(
-        layout,
-        None if split else _cache_arg(layout, kv),
-        k=_cache_arg(layout, k) if split else None,
-        v=_cache_arg(layout, v) if split else None,
-        block_table=block_table,
-        block_indptr=block_indptr,
-        block_indices=block_indices,
-        lengths=lengths,
-        positions=positions,
-        live=live,
-    )
+    cache = _paged_cache(layout, kv, k, v, block_table, block_indptr, block_indices, lengths, positions, live)
     r = run(
         _policy(policy),
         cache,
@@ -439,18 +444,7 @@ def _decode_attention_op(
     excluded_distance: int,
     max_tokens: int,
 ) -> Tuple[Tensor, Tensor]:
-    split = bool(k)
-    cache = _core.PagedCache(
-        layout,
-        None if split else _cache_arg(layout, kv),
-        k=_cache_arg(layout, k) if split else None,
-        v=_cache_arg(layout, v) if split else None,
-        block_table=block_table,
-        block_indptr=block_indptr,
-        block_indices=block_indices,
-        lengths=lengths,
-        live=live,
-    )
+    cache = _paged_cache(layout, kv, k, v, block_table, block_indptr, block_indices, lengths, None, live)
     r = _decode_attention(queries, cache, layer=layer, seqs=seqs, scale=scale, counts=counts, tail_from=tail_from,
                           update=None if update == "none" else update, scores=scores,
                           excluded_distance=excluded_distance, query_positions=query_positions,

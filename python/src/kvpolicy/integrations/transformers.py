@@ -390,41 +390,38 @@ def _attention_scale(model) -> float:
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head dims FlashInfer 0.7's paged decode and prefill compile for
 
 
-def _check_flashinfer(model) -> None:
-    """What attention="flashinfer" needs of the model, checked at attach (not mid-run)."""
+def _check_cuda_kernels(model, attention: str, kernels: str, head_dims) -> None:
+    """The dtype and head dim a CUDA attention's kernels take, checked at attach (not mid-run)."""
     from transformers.generation.continuous_batching.cache import find_head_dim
 
+    if model.dtype not in (torch.float16, torch.bfloat16):
+        _refuse("attention", f"is {attention!r}, but the model's dtype is {model.dtype}; {kernels} take float16 or "
+                "bfloat16 caches")
+    head_dim = find_head_dim(model.config.get_text_config())
+    if head_dim not in head_dims:
+        _refuse("attention", f"is {attention!r}, but the model's head dim is {head_dim}; {kernels} take "
+                f"{', '.join(map(str, head_dims))}")
+
+
+def _check_flashinfer(model) -> None:
+    """What attention="flashinfer" needs of the model."""
     if model.device.type != "cuda":
         _refuse("attention", f"is 'flashinfer', but the model is on {model.device}; FlashInfer runs on CUDA devices "
                 "(attention='torch' runs anywhere)")
-    if model.dtype not in (torch.float16, torch.bfloat16):
-        _refuse("attention", f"is 'flashinfer', but the model's dtype is {model.dtype}; FlashInfer's paged kernels "
-                "take float16 or bfloat16 caches")
-    head_dim = find_head_dim(model.config.get_text_config())
-    if head_dim not in FLASHINFER_HEAD_DIMS:
-        _refuse("attention", f"is 'flashinfer', but the model's head dim is {head_dim}; FlashInfer's paged kernels "
-                f"take {', '.join(map(str, FLASHINFER_HEAD_DIMS))}")
+    _check_cuda_kernels(model, "flashinfer", "FlashInfer's paged kernels", FLASHINFER_HEAD_DIMS)
 
 
 KVPOLICY_HEAD_DIMS = (64, 128)  # head dims kvpolicy's CUDA decode attention is built for
 
 
 def _check_kvpolicy_attention(model) -> None:
-    """What attention="kvpolicy" needs of the model on CUDA, checked at attach (not mid-run)."""
-    from transformers.generation.continuous_batching.cache import find_head_dim
-
+    """What attention="kvpolicy" needs of the model on CUDA (the host reference takes any)."""
     if model.device.type != "cuda":
-        return  # the host reference takes any head dim and float32 too
+        return
     if not kvpolicy.has_cuda:
         _refuse("attention", "is 'kvpolicy' with the model on CUDA, but this kvpolicy was built without its CUDA "
                 "path (KVPOLICY_PYTHON_CUDA=OFF or no nvcc)")
-    if model.dtype not in (torch.float16, torch.bfloat16):
-        _refuse("attention", f"is 'kvpolicy', but the model's dtype is {model.dtype}; kvpolicy's CUDA decode "
-                "attention takes float16 or bfloat16 caches")
-    head_dim = find_head_dim(model.config.get_text_config())
-    if head_dim not in KVPOLICY_HEAD_DIMS:
-        _refuse("attention", f"is 'kvpolicy', but the model's head dim is {head_dim}; kvpolicy's CUDA decode "
-                f"attention is built for {', '.join(map(str, KVPOLICY_HEAD_DIMS))}")
+    _check_cuda_kernels(model, "kvpolicy", "kvpolicy's CUDA decode attention kernels", KVPOLICY_HEAD_DIMS)
 
 
 def _check_model_config(config) -> None:
