@@ -1,11 +1,16 @@
 // Tensor parallelism on the host: each simulated rank (a thread) compresses its slice
 // of the KV heads (slice_heads) with an in-process communicator; every rank's lengths,
-// tables and released blocks, and every head's bytes, equal one call over all heads.
+// tables and released blocks, and every head's bytes, equal one call over all heads
+// (paged presets through host_executor; KV-Compress's global block cut through
+// host::compress_per_head).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <barrier>
 #include <cstdint>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <span>
 #include <thread>
 #include <vector>
@@ -162,3 +167,113 @@ TEST_CASE("slice_heads: a slice outside the cache's heads is refused, naming it"
 }
 
 }  // namespace
+
+namespace {
+
+// A per-head block cache (KV-Compress's unified pool): L layers, S sequences, H KV heads,
+// random lengths, tables drawn from one shuffled pool, random K, V and metric (f32).
+struct per_head_case {
+  static constexpr int L = 2, S = 2, H = 4, b = 4, d = 4, max_blocks = 12;
+  int nb = 0;
+  std::vector<float> k, v, metric;
+  std::vector<std::int32_t> table, lengths;
+
+  explicit per_head_case(std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> len(0, max_blocks * b);
+    for (int i = 0; i < L * S * H; ++i) lengths.push_back(len(rng));
+    for (int T : lengths) nb += (T + b - 1) / b;
+    nb += 3;
+    std::vector<int> ids(static_cast<std::size_t>(nb));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table.assign(static_cast<std::size_t>(L * S * H * max_blocks), -1);
+    std::size_t next = 0;
+    for (int row = 0; row < L * S * H; ++row)
+      for (int i = 0; i < (lengths[row] + b - 1) / b; ++i) table[static_cast<std::size_t>(row * max_blocks + i)] = ids[next++];
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    for (int i = 0; i < nb * b * d; ++i) k.push_back(u(rng)), v.push_back(u(rng));
+    // Metric keys with ties (quarters), so the cut often falls inside a run of equal costs.
+    std::uniform_int_distribution<int> quarter(0, 7);
+    for (int i = 0; i < nb * b; ++i) metric.push_back(0.25f * static_cast<float>(quarter(rng)));
+  }
+
+  kvp::per_head_kv_view view() {
+    kvp::per_head_kv_view c;
+    c.num_layers = L, c.num_blocks = nb, c.block_size = b, c.num_kv_heads = H, c.head_dim = d, c.num_seqs = S;
+    c.max_blocks = max_blocks, c.type = kvp::dtype::f32, c.shared_pool = true;
+    c.k = {k.data(), 0, nullptr, 0};
+    c.v = {v.data(), 0, nullptr, 0};
+    c.k_stride = c.v_stride = kvp::per_head_kv_strides::contiguous(b, d);
+    c.table = kvp::per_head_array::dense(table.data(), S, H, max_blocks);
+    c.lengths = kvp::per_head_array::dense(lengths.data(), S, H);
+    c.metric = kvp::per_slot_metric::shared(metric.data(), b);
+    return c;
+  }
+};
+
+void check_kv_compress_ranks(kvp::select::block_budget budget, int ranks, std::uint32_t seed) {
+  CAPTURE(ranks);
+  CAPTURE(seed);
+  using C = per_head_case;
+  per_head_case whole(seed), split(seed);
+  kvp::select::head_adaptive_blocks sel{.protected_window = 6, .sinks = 1, .budget = budget};
+  const std::vector<std::int64_t> per_layer{5, 3};  // budget "layer": blocks each layer frees
+  const std::vector<kvp::per_head_item> items{{.seq = 1, .blocks_to_free = 9, .per_layer = per_layer.data()},
+                                              {.seq = 0, .blocks_to_free = 4, .per_layer = per_layer.data()}};
+  const kvp::per_head_result one = kvp::host::compress_per_head(sel, whole.view(), items);
+
+  const int per = C::H / ranks;
+  in_process_ranks group(ranks);
+  std::vector<kvp::per_head_result> results(static_cast<std::size_t>(ranks));
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        const kvp::per_head_kv_view mine = kvp::slice_heads(split.view(), r * per, per);
+        results[static_cast<std::size_t>(r)] =
+            kvp::host::compress_per_head(sel, mine, items, {.first = r * per, .total = C::H}, group.rank(r));
+      });
+  }
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    const kvp::per_head_result& mine = results[static_cast<std::size_t>(r)];
+    CHECK(mine.freed == one.freed);
+    CHECK(mine.nonfinite == one.nonfinite);
+    for (std::size_t i = 0; i < items.size(); ++i)
+      for (int l = 0; l < C::L; ++l)
+        for (int h = 0; h < per; ++h) {
+          const std::size_t local = static_cast<std::size_t>(l * per + h), all = static_cast<std::size_t>(l * C::H + r * per + h);
+          CHECK(mine.new_lengths[i][local] == one.new_lengths[i][all]);
+          CHECK(mine.evicted[i][local] == one.evicted[i][all]);
+          CHECK(mine.moved[i][local] == one.moved[i][all]);
+          CHECK(mine.freed_blocks[i][local] == one.freed_blocks[i][all]);
+        }
+  }
+  // Every byte of the pool: K, V and the metric moved with its token.
+  CHECK(whole.k == split.k);
+  CHECK(whole.v == split.v);
+  CHECK(whole.metric == split.metric);
+}
+
+}  // namespace
+
+TEST_CASE("tensor parallelism: KV-Compress's cut over 2 and 4 ranks equals one schedule over all heads") {
+  for (const std::uint32_t seed : {1u, 2u, 3u, 4u, 5u, 6u})
+    for (const int ranks : {2, 4}) {
+      check_kv_compress_ranks(kvp::select::block_budget::sequence, ranks, seed);
+      check_kv_compress_ranks(kvp::select::block_budget::layer, ranks, seed);
+    }
+}
+
+TEST_CASE("slice_heads: a per-head cache's heads, and per-layer tables refused") {
+  per_head_case c(9);
+  const kvp::per_head_kv_view whole = c.view(), part = kvp::slice_heads(whole, 1, 2);
+  CHECK(part.num_kv_heads == 2);
+  CHECK(part.length(1, 1, 0) == whole.length(1, 1, 1));
+  CHECK(part.block(0, 1, 1, 0) == whole.block(0, 1, 2, 0));
+  auto listed = whole;
+  const std::int32_t* layers[2] = {c.table.data(), c.table.data()};
+  listed.table = kvp::per_head_array::per_layer(layers, per_head_case::H, per_head_case::max_blocks);
+  CHECK_THROWS_WITH_AS(kvp::slice_heads(listed, 0, 2), doctest::Contains("cache.table"), kvp::error);
+}

@@ -11,6 +11,7 @@
 #include "kvpolicy/config.hpp"
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/per_head_kv_view.hpp"
 #include "kvpolicy/core/query_window_view.hpp"
 #include "kvpolicy/core/slot_view.hpp"
 
@@ -30,6 +31,21 @@ inline paged_kv_view slice_heads(paged_kv_view c, std::int32_t first, std::int32
   c.v.offset += first * c.v_stride.head;
   if (!c.positions.empty()) c.positions.base += first * c.positions.head_stride;
   if (!c.live.empty()) c.live.base += first * c.live.head_stride;
+  c.num_kv_heads = count;
+  return c;
+}
+
+// A per-head block cache's KV heads [first, first + count): their table rows and
+// lengths (the block pool, metric and positions are the pool's, shared). Tables and
+// lengths given as one tensor each; per-layer lists are refused (point each layer's
+// entry at its first head instead).
+inline per_head_kv_view slice_heads(per_head_kv_view c, std::int32_t first, std::int32_t count) {
+  detail::check_head_slice(first, count, c.num_kv_heads);
+  require(c.table.layers == nullptr && c.lengths.layers == nullptr, "cache.table",
+          "is a list of per-layer tensors; slice_heads moves one base: point each layer's entry at head {} instead",
+          first);
+  c.table.base += first * c.table.head_stride;
+  c.lengths.base += first * c.lengths.head_stride;
   c.num_kv_heads = count;
   return c;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/communicator.hpp"
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/select/rank_order.hpp"
 
@@ -86,6 +88,13 @@ inline std::int64_t blocks_to_free_for_rate(std::int64_t held_kvs, std::int64_t 
 // When the group has fewer possible blocks than asked, every possible one is freed
 // and `freed` says how many. (The authors assert the count never exceeds the blocks
 // outside the rounded-up windows instead.)
+// A rank's KV heads among every rank's (tensor parallelism): heads [first, first + the
+// rank's kv_heads) of `total`. total 0: one rank holding every head.
+struct head_range {
+  std::int32_t first = 0;
+  std::int32_t total = 0;
+};
+
 struct head_adaptive_blocks {
   std::int32_t protected_window = 64;  // last positions of the sequence never evicted
   std::int32_t sinks = 0;              // first positions never evicted (StreamingLLM: 4)
@@ -139,6 +148,22 @@ struct head_adaptive_blocks {
   // slots to be positions (no positions given).
   schedule plan(std::span<const row> rows, std::int32_t kv_heads, std::int32_t b,
                 std::span<const std::int64_t> blocks_to_free, std::int32_t logical_length = -1) const {
+    return plan(rows, kv_heads, b, blocks_to_free, logical_length, head_range{}, single_rank{});
+  }
+
+  // Tensor parallelism: `rows` are this rank's KV heads, heads [ranks.first, ranks.first +
+  // kv_heads) of ranks.total, and `comm` reduces over the ranks. The cut of step 3 is
+  // made over every rank's blocks (a radix select of the cost keys, then the ties in
+  // global (row, e) order), so each row frees what it frees in one plan over all heads.
+  // Every rank calls with the same counts; `freed` and `nonfinite` are the whole group's.
+  template <HostCommunicator C>
+  schedule plan(std::span<const row> rows, std::int32_t kv_heads, std::int32_t b,
+                std::span<const std::int64_t> blocks_to_free, std::int32_t logical_length, head_range ranks,
+                const C& comm) const {
+    if (ranks.total == 0) ranks = {0, kv_heads};
+    require(ranks.first >= 0 && ranks.total >= ranks.first + kv_heads, "ranks",
+            "heads [{}, {}) are not within the {} KV heads of all ranks", ranks.first, ranks.first + kv_heads,
+            ranks.total);
     require(protected_window >= 0, "pipeline.select.protected_window", "is {}; must not be negative",
             protected_window);
     require(sinks >= 0, "pipeline.select.sinks", "is {}; must not be negative", sinks);
@@ -188,6 +213,7 @@ struct head_adaptive_blocks {
 
     // 2. Per budget group, the possible blocks by (cost, row, e); the first ones are freed.
     const std::int32_t rows_per_group = n_rows / groups;
+    const bool alone = ranks.first == 0 && ranks.total == kv_heads;
     for (std::int32_t g = 0; g < groups; ++g) {
       std::vector<std::tuple<std::uint32_t, std::int32_t, std::int32_t>> blocks;  // (cost key, row, e)
       for (std::int32_t r = g * rows_per_group; r < (g + 1) * rows_per_group; ++r) {
@@ -197,11 +223,21 @@ struct head_adaptive_blocks {
           blocks.emplace_back(static_cast<std::uint32_t>(rank_bits(rows[r].metric[last], 0) >> 32), r, e);
         }
       }
-      const auto take = static_cast<std::size_t>(
-          std::min<std::int64_t>(blocks_to_free[g], static_cast<std::int64_t>(blocks.size())));
-      std::partial_sort(blocks.begin(), blocks.begin() + static_cast<std::ptrdiff_t>(take), blocks.end());
-      for (std::size_t i = 0; i < take; ++i) ++out.rows[std::get<1>(blocks[i])].blocks;
-      out.freed[g] = static_cast<std::int64_t>(take);
+      if (alone) {
+        const auto take = static_cast<std::size_t>(
+            std::min<std::int64_t>(blocks_to_free[g], static_cast<std::int64_t>(blocks.size())));
+        std::partial_sort(blocks.begin(), blocks.begin() + static_cast<std::ptrdiff_t>(take), blocks.end());
+        for (std::size_t i = 0; i < take; ++i) ++out.rows[std::get<1>(blocks[i])].blocks;
+        out.freed[g] = static_cast<std::int64_t>(take);
+      } else {
+        out.freed[g] = cut_over_ranks(blocks, blocks_to_free[g], kv_heads, ranks,
+                                      budget == block_budget::sequence ? layers : 1, out, comm);
+      }
+    }
+    if (!alone) {
+      std::int32_t nonfinite[1] = {static_cast<std::int32_t>(out.nonfinite)};
+      comm.all_reduce(std::span<std::int32_t>(nonfinite), reduce_op::sum);
+      out.nonfinite = nonfinite[0];
     }
 
     // 3. Each row evicts the prefix of its order that its blocks cover.
@@ -211,6 +247,58 @@ struct head_adaptive_blocks {
       e.slots.assign(order[r].begin(), order[r].begin() + e.evicted);
     }
     return out;
+  }
+
+ private:
+  // Step 3 over the ranks: frees the `asked` cheapest of every rank's `blocks` (this
+  // rank's, with local rows) in the global (cost, row, e) order; returns how many the
+  // group freed. `layers` is the group's layers (the row index is global: layer x total
+  // heads + first + head). The same calls, in the same order, on every rank.
+  template <HostCommunicator C>
+  static std::int64_t cut_over_ranks(const std::vector<std::tuple<std::uint32_t, std::int32_t, std::int32_t>>& blocks,
+                                     std::int64_t asked, std::int32_t kv_heads, head_range ranks,
+                                     std::int32_t layers, schedule& out, const C& comm) {
+    std::int32_t total[1] = {static_cast<std::int32_t>(blocks.size())};
+    comm.all_reduce(std::span<std::int32_t>(total), reduce_op::sum);
+    const std::int64_t take = std::min<std::int64_t>(asked, total[0]);
+    if (take == total[0]) {  // every possible block (none when take is 0)
+      for (const auto& [k, r, e] : blocks) ++out.rows[r].blocks;
+      return take;
+    }
+    // The take-th smallest cost key over all ranks, 8 bits a pass; `need`: how many of
+    // the blocks at that key are taken (at least 1).
+    std::uint32_t key = 0;
+    std::int64_t need = take;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      std::array<std::int32_t, 256> count{};
+      const std::uint32_t high = shift == 24 ? 0u : ~0u << (shift + 8);
+      for (const auto& [k, r, e] : blocks)
+        if ((k & high) == key) ++count[(k >> shift) & 0xffu];
+      comm.all_reduce(std::span<std::int32_t>(count), reduce_op::sum);
+      std::uint32_t digit = 0;
+      while (need > count[digit]) need -= count[digit++];
+      key |= digit << shift;
+    }
+    // Below the key: freed. At the key: the first `need` in global row order; a row's
+    // blocks at one key are consecutive e's (costs never decrease with e).
+    const std::int32_t global_rows = layers * ranks.total;
+    std::vector<std::int32_t> ties(static_cast<std::size_t>(global_rows), 0), local(ties.size(), -1);
+    for (const auto& [k, r, e] : blocks) {
+      if (k < key) {
+        ++out.rows[r].blocks;
+      } else if (k == key) {
+        const std::int32_t g = (r / kv_heads % layers) * ranks.total + ranks.first + r % kv_heads;
+        ++ties[static_cast<std::size_t>(g)];
+        local[static_cast<std::size_t>(g)] = r;
+      }
+    }
+    comm.all_reduce(std::span<std::int32_t>(ties), reduce_op::sum);
+    std::int64_t before = 0;
+    for (std::size_t g = 0; g < ties.size(); ++g) {
+      if (local[g] >= 0) out.rows[local[g]].blocks += static_cast<std::int32_t>(std::clamp<std::int64_t>(need - before, 0, ties[g]));
+      before += ties[g];
+    }
+    return take;
   }
 };
 

@@ -3,11 +3,13 @@
 // MoveCache on every head that evicts. The reference a GPU executor reproduces.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "kvpolicy/config.hpp"
+#include "kvpolicy/core/communicator.hpp"
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/core/per_head_item.hpp"
 #include "kvpolicy/core/per_head_kv_view.hpp"
@@ -31,8 +33,16 @@ namespace host {
 // Every schedule is made (and every argument checked) before the first byte moves.
 // The metric is the cache's (`cache.metric`: KV-Compress accumulates it at decode,
 // and an engine writes a prefill metric, squared_attention_metric, into it first).
-inline per_head_result compress_per_head(const select::head_adaptive_blocks& sel, const per_head_kv_view& c,
-                                         std::span<const per_head_item> items) {
+//
+// Tensor parallelism: `c` holds this rank's KV heads, heads [ranks.first, ranks.first +
+// c.num_kv_heads) of ranks.total, and `comm` reduces over the ranks: each item's blocks
+// are ranked against its budget over every rank's heads (head_adaptive_blocks::plan),
+// so each head evicts, moves and frees what one call over all heads gives it; `freed`
+// and `nonfinite` are the whole sequence's. Every rank makes the same call.
+template <HostCommunicator C = single_rank>
+per_head_result compress_per_head(const select::head_adaptive_blocks& sel, const per_head_kv_view& c,
+                                  std::span<const per_head_item> items, select::head_range ranks = {},
+                                  const C& comm = {}) {
   validate_per_head(c);
   require(!c.metric.empty(), "cache.metric", "is a null pointer; KV-Compress evicts by the metric each slot holds");
   const std::int32_t L = c.num_layers, H = c.num_kv_heads, b = c.block_size;
@@ -87,7 +97,7 @@ inline per_head_result compress_per_head(const select::head_adaptive_blocks& sel
     const std::span<const std::int64_t> asked = sel.budget == select::block_budget::sequence
                                                     ? std::span<const std::int64_t>(one)
                                                     : std::span<const std::int64_t>(it.per_layer, static_cast<std::size_t>(L));
-    plans.push_back(sel.plan(rows, H, b, asked, it.logical_length));
+    plans.push_back(sel.plan(rows, H, b, asked, it.logical_length, ranks, comm));
   }
 
   per_head_result out;
@@ -113,6 +123,11 @@ inline per_head_result compress_per_head(const select::head_adaptive_blocks& sel
       }
     out.freed.push_back(total);
     out.nonfinite.push_back(plan.nonfinite);
+  }
+  if (ranks.total != 0 && ranks.total != H) {  // blocks freed by every rank's heads
+    std::vector<std::int32_t> freed(out.freed.begin(), out.freed.end());
+    comm.all_reduce(std::span<std::int32_t>(freed), reduce_op::sum);
+    std::copy(freed.begin(), freed.end(), out.freed.begin());
   }
   return out;
 }
