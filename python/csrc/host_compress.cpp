@@ -7,13 +7,13 @@
 
 #include <kvpolicy/core/error.hpp>
 #include <kvpolicy/exec/host_executor.hpp>
-#include <nanobind/ndarray.h>
 #include <nanobind/stl/variant.h>
 
 #include "items.hpp"
 #include "numpy_out.hpp"
 #include "paged_cache.hpp"
 #include "policy.hpp"
+#include "python_communicator.hpp"
 #include "side_views.hpp"
 
 namespace nb = nanobind;
@@ -21,22 +21,6 @@ using kvp::require;
 
 namespace kvpy {
 namespace {
-
-// A Python object with all_reduce(array, op) as the host executor's communicator (tensor
-// parallelism, core/communicator.hpp): called with the GIL held, on a NumPy array over
-// the executor's own values, which it reduces in place over every rank.
-struct python_communicator {
-  nb::handle object;
-  template <class T>
-  void all_reduce(std::span<T> values, kvp::reduce_op op) const {
-    nb::gil_scoped_acquire held;
-    const std::size_t shape[1] = {values.size()};
-    nb::ndarray<nb::numpy, T, nb::ndim<1>> view(values.data(), 1, shape, nb::handle());
-    // A reference, not a copy: the reduction lands in the executor's buffer.
-    object.attr("all_reduce")(nb::cast(view, nb::rv_policy::reference), op == kvp::reduce_op::max ? "max" : "sum");
-  }
-};
-static_assert(kvp::HostCommunicator<python_communicator>);
 
 nb::dict host_compress(const policy& pol, const paged_cache& cache, nb::handle items_arg, nb::handle queries_arg,
                        nb::handle scores_arg, std::int32_t layer_begin, std::int32_t layer_count,

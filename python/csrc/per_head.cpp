@@ -16,6 +16,7 @@
 #include <nanobind/stl/string.h>
 
 #include "numpy_out.hpp"
+#include "python_communicator.hpp"
 #include "tensor_args.hpp"
 
 #ifdef KVPOLICY_PYTHON_WITH_CUDA
@@ -153,7 +154,8 @@ const std::int64_t* item_rows(const array& items, const kv_compress& p, std::int
 }
 
 nb::dict host_compress_per_head(const kv_compress& p, nb::handle k, nb::handle v, nb::handle metric,
-                                nb::handle tables, nb::handle lengths, nb::handle positions, nb::handle items_arg) {
+                                nb::handle tables, nb::handle lengths, nb::handle positions, nb::handle items_arg,
+                                nb::handle communicator, std::int32_t first_head, std::int32_t total_heads) {
   per_head_tensors t = read_per_head(k, v, metric, tables, lengths, positions);
   require(!t.at.device, "k", "lives on CUDA device {}; host_compress_per_head runs on host memory", t.at.id);
   const kvp::per_head_kv_view& c = t.view;
@@ -177,7 +179,11 @@ nb::dict host_compress_per_head(const kv_compress& p, nb::handle k, nb::handle v
   kvp::per_head_result r;
   {
     nb::gil_scoped_release quiet;  // touches no Python object
-    r = kvp::host::compress_per_head(p.select, c, batch);
+    if (communicator.is_none())
+      r = kvp::host::compress_per_head(p.select, c, batch);
+    else
+      r = kvp::host::compress_per_head(p.select, c, batch, {.first = first_head, .total = total_heads},
+                                       python_communicator{communicator});
   }
   const std::size_t L = static_cast<std::size_t>(c.num_layers), H = static_cast<std::size_t>(c.num_kv_heads);
   const std::size_t rows_per_item = L * H, width = static_cast<std::size_t>(c.max_blocks);
@@ -500,6 +506,7 @@ void metric_binding(const kv_compress& p, nb::handle queries, nb::handle k, nb::
 void register_per_head(nb::module_& m) {
   m.def("host_compress_per_head", &host_compress_per_head, nb::arg("policy"), nb::arg("k"), nb::arg("v"),
         nb::arg("metric"), nb::arg("tables"), nb::arg("lengths"), nb::arg("positions").none(), nb::arg("items"),
+        nb::arg("communicator").none(), nb::arg("first_head"), nb::arg("total_heads"),
         "kvp::host::compress_per_head over host arrays (kvpolicy.compress_per_head is the API).");
   m.def("kv_compress_blocks_to_free", &blocks_to_free, nb::arg("policy"), nb::arg("lengths"), nb::arg("block_size"),
         nb::arg("seqs"), nb::arg("logical_lengths"),

@@ -94,3 +94,74 @@ def test_communicator_refusals():
     with pytest.raises(kvpolicy.Error) as e:
         kvpolicy.compress(kvpolicy.SnapKV(), cache, seqs=[0], budgets=48, queries=pc.queries, communicator=object())
     assert e.value.field == "communicator"
+
+
+# ---------------------------------------------------------------------------------------
+# KV-Compress: the block cut over every rank's heads
+
+
+def per_head_case():
+    from test_kv_compress import make_case as make_per_head
+
+    c = make_per_head(L=2, seqs=3, H=HEADS, b=4, d=8, max_blocks=8, seed=41, ties=True)
+    return c
+
+
+def per_head_rank(rank, out_dir):
+    from kvpolicy.integrations.torch_distributed import TorchDistributed
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous_ph", rank=rank, world_size=RANKS)
+    try:
+        c = per_head_case()
+        per = HEADS // RANKS
+        tables = np.ascontiguousarray(c["tables"][:, :, rank * per:(rank + 1) * per])
+        lengths = np.ascontiguousarray(c["lengths"][:, :, rank * per:(rank + 1) * per])
+        r = kvpolicy.compress_per_head(kvpolicy.KVCompress(protected_window=6), c["k"], c["v"], c["metric"], tables,
+                                       lengths, seqs=[2, 0], blocks_to_free=[7, 3], communicator=TorchDistributed(),
+                                       heads=(rank * per, HEADS))
+        np.savez(os.path.join(out_dir, f"ph{rank}.npz"), k=c["k"], v=c["v"], metric=c["metric"],
+                 **{name: np.asarray(getattr(r, name)) for name in ("new_lengths", "freed_counts", "freed_blocks",
+                                                                   "evicted", "moved", "freed")})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kv_compress_on_two_ranks_equals_one_schedule(tmp_path):
+    import torch.multiprocessing as mp
+
+    c = per_head_case()
+    whole = kvpolicy.compress_per_head(kvpolicy.KVCompress(protected_window=6), c["k"], c["v"], c["metric"],
+                                       c["tables"], c["lengths"], seqs=[2, 0], blocks_to_free=[7, 3])
+    assert int(np.asarray(whole.freed).sum()) > 0
+    mp.spawn(per_head_rank, args=(str(tmp_path),), nprocs=RANKS, join=True)
+    per = HEADS // RANKS
+    for rank in range(RANKS):
+        got = np.load(tmp_path / f"ph{rank}.npz")
+        sl = slice(rank * per, (rank + 1) * per)
+        for name in ("new_lengths", "freed_counts", "freed_blocks", "evicted", "moved"):
+            np.testing.assert_array_equal(got[name], np.asarray(getattr(whole, name))[:, :, sl], err_msg=name)
+        np.testing.assert_array_equal(got["freed"], np.asarray(whole.freed))  # the whole sequence's
+        # Every block the rank's heads held: the same bytes as after the single call.
+        fresh = per_head_case()
+        for l in range(fresh["tables"].shape[0]):
+            for s in range(fresh["tables"].shape[1]):
+                for h in range(rank * per, (rank + 1) * per):
+                    held = fresh["tables"][l, s, h][: -(-int(fresh["lengths"][l, s, h]) // 4)]
+                    for name in ("k", "v", "metric"):
+                        np.testing.assert_array_equal(got[name][held], c[name][held], err_msg=name)
+
+
+def test_per_head_communicator_refusals():
+    c = per_head_case()
+    args = (kvpolicy.KVCompress(), c["k"], c["v"], c["metric"], c["tables"], c["lengths"])
+
+    class Echo:
+        def all_reduce(self, values, op):
+            pass
+
+    for kwargs, field in (({"heads": (0, 4)}, "heads"), ({"communicator": Echo(), "heads": (0, 4)}, "blocks_to_free"),
+                          ({"communicator": Echo(), "blocks_to_free": 1}, "heads"),
+                          ({"communicator": Echo(), "blocks_to_free": 1, "heads": (2, 4)}, "heads")):
+        with pytest.raises(kvpolicy.Error) as e:
+            kvpolicy.compress_per_head(*args, seqs=[0], **kwargs)
+        assert e.value.field == field, (kwargs, str(e.value))

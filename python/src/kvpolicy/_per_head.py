@@ -177,6 +177,8 @@ def compress_per_head(
     stream=None,
     workspace=None,
     check: bool = True,
+    communicator=None,
+    heads=None,
 ) -> PerHeadResult:
     """KV-Compress (``kvpolicy.KVCompress``) over a per-head block cache, in place.
 
@@ -205,6 +207,11 @@ def compress_per_head(
     positions       optional int32, the metric's shape: each slot's original position
                     (moved with it; the protected window is read off it)
     stream, workspace, check   as for ``compress`` (``per_head_workspace_bytes``)
+    communicator, heads   tensor parallelism (host caches): the tensors hold this rank's
+                    KV heads, ``heads = (first, total)`` says which of all ranks' heads,
+                    and ``communicator`` (as for ``compress``) makes the block cut global:
+                    each head frees what one call over all heads frees it. Pass
+                    ``blocks_to_free`` (the whole sequence's, from every rank's lengths).
 
     Returns a PerHeadResult. Raises kvpolicy.Error (``.field`` names the argument)
     before anything is written. Tables and lengths are not written: the engine sets
@@ -228,9 +235,11 @@ def compress_per_head(
                     "max_blocks]", "tables")
     device = is_device_array(k)
     block_size = int(k.shape[-2]) if hasattr(k, "shape") and len(k.shape) >= 2 else 0
+    first, total = _ranks(communicator, heads, blocks_to_free, device, int(lengths.shape[2]))
     if not device:
         items = _items(policy, lengths, block_size, seqs, blocks_to_free, logical_lengths, lambda: False)
-        out = _core.host_compress_per_head(policy, k, v, metric, tables, lengths, positions, items)
+        out = _core.host_compress_per_head(policy, k, v, metric, tables, lengths, positions, items, communicator,
+                                           first, total)
         framework = _framework(k)
         return PerHeadResult(**{name: host_result(a, framework) for name, a in out.items()})
 
@@ -269,6 +278,31 @@ def compress_per_head(
         workspace = alloc.empty((need,), "uint8")
     _core.device_compress_per_head(policy, k, v, metric, tables, lengths, positions, items, out, workspace, h, check)
     return PerHeadResult(**out, stream=h)
+
+
+def _ranks(communicator, heads, blocks_to_free, device: bool, kv_heads: int):
+    """(first, total) of this rank's heads; (0, 0) without a communicator."""
+    if communicator is None:
+        if heads is not None:
+            raise Error("kvpolicy: heads: is given without a communicator; tensor parallelism needs both", "heads")
+        return 0, 0
+    if not callable(getattr(communicator, "all_reduce", None)):
+        raise Error(f"kvpolicy: communicator: is a {type(communicator).__name__}; expected an object with "
+                    "all_reduce(array, op)", "communicator")
+    if device:
+        raise Error("kvpolicy: communicator: the CUDA path takes no communicator yet (tensor parallelism runs on the "
+                    "host executor so far)", "communicator")
+    if blocks_to_free is None:
+        raise Error("kvpolicy: blocks_to_free: is None with a communicator; the policy's budget would count only "
+                    "this rank's heads: pass the whole sequence's count", "blocks_to_free")
+    try:
+        first, total = (int(x) for x in heads)
+    except (TypeError, ValueError):
+        raise Error(f"kvpolicy: heads: is {heads!r}; expected (first, total): this rank's first KV head and every "
+                    "rank's KV heads", "heads") from None
+    if first < 0 or first + kv_heads > total:
+        raise Error(f"kvpolicy: heads: ({first}, {total}) does not hold this rank's {kv_heads} KV heads", "heads")
+    return first, total
 
 
 def per_head_workspace_bytes(policy, k, v, metric, tables, lengths, *, num_items: int, positions=None) -> int:
