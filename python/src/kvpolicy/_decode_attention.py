@@ -68,8 +68,8 @@ def _ints(name: str, x, device: Optional[int], framework: str, capturing):
     if device is None:
         if is_device_array(x):
             raise Error(f"kvpolicy: {name}: lives on a CUDA device; the cache is in host memory", name)
-        if framework == "torch" and _framework(x) == "torch":
-            return x.to(dtype=__import__("torch").int32).reshape(-1).contiguous()
+        if _framework(x) == "torch":
+            x = x.numpy()  # a CPU tensor: its memory, as NumPy sees it
         return np.ascontiguousarray(np.asarray(x, dtype=np.int32).reshape(-1))
     if is_device_array(x):
         if _framework(x) == "torch":
