@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/prefilled_cache.hpp"
 #include "support/test_cache.hpp"
 
 namespace {
@@ -170,45 +171,32 @@ TEST_CASE("slice_heads: a slice outside the cache's heads is refused, naming it"
 
 namespace {
 
-// A per-head block cache (KV-Compress's unified pool): L layers, S sequences, H KV heads,
-// random lengths, tables drawn from one shuffled pool, random K, V and metric (f32).
-struct per_head_case {
-  static constexpr int L = 2, S = 2, H = 4, b = 4, d = 4, max_blocks = 12;
-  int nb = 0;
-  std::vector<float> k, v, metric;
-  std::vector<std::int32_t> table, lengths;
-
-  explicit per_head_case(std::uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> len(0, max_blocks * b);
-    for (int i = 0; i < L * S * H; ++i) lengths.push_back(len(rng));
-    for (int T : lengths) nb += (T + b - 1) / b;
-    nb += 3;
-    std::vector<int> ids(static_cast<std::size_t>(nb));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    table.assign(static_cast<std::size_t>(L * S * H * max_blocks), -1);
-    std::size_t next = 0;
-    for (int row = 0; row < L * S * H; ++row)
-      for (int i = 0; i < (lengths[row] + b - 1) / b; ++i) table[static_cast<std::size_t>(row * max_blocks + i)] = ids[next++];
-    std::uniform_real_distribution<float> u(0.0f, 1.0f);
-    for (int i = 0; i < nb * b * d; ++i) k.push_back(u(rng)), v.push_back(u(rng));
-    // Metric keys with ties (quarters), so the cut often falls inside a run of equal costs.
+// A per-head block cache (tests/support/prefilled_cache.hpp): L layers, S sequences, H
+// KV heads, each head holding the sequence's last positions and some older ones (as
+// earlier compressions leave them), the metric in quarters so that the cut often falls
+// inside a run of equal costs.
+struct per_head_case : kvp_test::prefilled_cache {
+  static constexpr int L = 2, S = 2, H = 4, P = 40;  // P: each sequence's positions
+  explicit per_head_case(std::uint32_t seed) : prefilled_cache(L, S, H, 4, 4, rows(seed), seed) {
+    std::mt19937 rng(seed + 100);
     std::uniform_int_distribution<int> quarter(0, 7);
-    for (int i = 0; i < nb * b; ++i) metric.push_back(0.25f * static_cast<float>(quarter(rng)));
+    for (std::size_t r = 0; r < row_positions.size(); ++r)
+      for (int t = 0; t < lengths[r]; ++t) metric[slot(r, t)] = 0.25f * static_cast<float>(quarter(rng));
   }
-
-  kvp::per_head_kv_view view() {
-    kvp::per_head_kv_view c;
-    c.num_layers = L, c.num_blocks = nb, c.block_size = b, c.num_kv_heads = H, c.head_dim = d, c.num_seqs = S;
-    c.max_blocks = max_blocks, c.type = kvp::dtype::f32, c.shared_pool = true;
-    c.k = {k.data(), 0, nullptr, 0};
-    c.v = {v.data(), 0, nullptr, 0};
-    c.k_stride = c.v_stride = kvp::per_head_kv_strides::contiguous(b, d);
-    c.table = kvp::per_head_array::dense(table.data(), S, H, max_blocks);
-    c.lengths = kvp::per_head_array::dense(lengths.data(), S, H);
-    c.metric = kvp::per_slot_metric::shared(metric.data(), b);
-    return c;
+  static std::vector<std::vector<std::int32_t>> rows(std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> held(8, P);
+    std::vector<std::vector<std::int32_t>> out;
+    for (int r = 0; r < L * S * H; ++r) {
+      std::vector<std::int32_t> older(P - 8);
+      std::iota(older.begin(), older.end(), 0);
+      std::shuffle(older.begin(), older.end(), rng);
+      older.resize(static_cast<std::size_t>(held(rng) - 8));
+      std::sort(older.begin(), older.end());
+      for (int p = P - 8; p < P; ++p) older.push_back(p);
+      out.push_back(std::move(older));
+    }
+    return out;
   }
 };
 
@@ -219,8 +207,9 @@ void check_kv_compress_ranks(kvp::select::block_budget budget, int ranks, std::u
   per_head_case whole(seed), split(seed);
   kvp::select::head_adaptive_blocks sel{.protected_window = 6, .sinks = 1, .budget = budget};
   const std::vector<std::int64_t> per_layer{5, 3};  // budget "layer": blocks each layer frees
-  const std::vector<kvp::per_head_item> items{{.seq = 1, .blocks_to_free = 9, .per_layer = per_layer.data()},
-                                              {.seq = 0, .blocks_to_free = 4, .per_layer = per_layer.data()}};
+  const std::vector<kvp::per_head_item> items{
+      {.seq = 1, .blocks_to_free = 9, .per_layer = per_layer.data(), .logical_length = C::P},
+      {.seq = 0, .blocks_to_free = 4, .per_layer = per_layer.data(), .logical_length = C::P}};
   const kvp::per_head_result one = kvp::host::compress_per_head(sel, whole.view(), items);
 
   const int per = C::H / ranks;
@@ -250,10 +239,11 @@ void check_kv_compress_ranks(kvp::select::block_budget budget, int ranks, std::u
           CHECK(mine.freed_blocks[i][local] == one.freed_blocks[i][all]);
         }
   }
-  // Every byte of the pool: K, V and the metric moved with its token.
+  // Every byte of the pool: K, V, the metric and the positions moved with their token.
   CHECK(whole.k == split.k);
   CHECK(whole.v == split.v);
   CHECK(whole.metric == split.metric);
+  CHECK(whole.positions == split.positions);
 }
 
 }  // namespace
@@ -274,6 +264,6 @@ TEST_CASE("slice_heads: a per-head cache's heads, and per-layer tables refused")
   CHECK(part.block(0, 1, 1, 0) == whole.block(0, 1, 2, 0));
   auto listed = whole;
   const std::int32_t* layers[2] = {c.table.data(), c.table.data()};
-  listed.table = kvp::per_head_array::per_layer(layers, per_head_case::H, per_head_case::max_blocks);
+  listed.table = kvp::per_head_array::per_layer(layers, per_head_case::H, c.max_blocks);
   CHECK_THROWS_WITH_AS(kvp::slice_heads(listed, 0, 2), doctest::Contains("cache.table"), kvp::error);
 }
