@@ -97,8 +97,8 @@ def kvpolicy_rows(torch, q, k_blocks, v_blocks, tables, tokens, scale, ref, chec
     out = torch.empty_like(q)
     rows = {}
     for staged in (False, True):
-        need = kvpolicy.decode_attention(q, cache, scale=scale, max_tokens=tokens, staged=staged, workspace=None,
-                                         out=out, describe=True)
+        plan = kvpolicy.decode_attention(q, cache, scale=scale, max_tokens=tokens, staged=staged, out=out,
+                                         describe=True)
         workspace = torch.empty(kvpolicy.decode_attention_workspace_bytes(q, cache, max_tokens=tokens, staged=staged),
                                 dtype=torch.uint8, device="cuda")
 
@@ -113,7 +113,7 @@ def kvpolicy_rows(torch, q, k_blocks, v_blocks, tables, tokens, scale, ref, chec
         ms = common.median_ms(torch, call, reps)
         gbs = kv_bytes / (ms * 1e-3) / 1e9
         rows["staged" if staged else "plain"] = {"ms": ms, "kv_gbs": gbs, "copy_fraction": gbs / copy_gbs,
-                                                 "rel_error_fp32": rel, "plan": need}
+                                                 "rel_error_fp32": rel, "plan": plan}
     return rows
 
 

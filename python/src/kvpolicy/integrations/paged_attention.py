@@ -220,6 +220,8 @@ class KvpolicyPagedAttention(TorchPagedAttention):
         self.decoding = 0
         self.table = self.lengths = None
         self.max_tokens = 0
+        self.workspace = None  # sized at the step's first layer, reused by the others (same items and lengths)
+        self.sized = False
         self.statuses: list = []  # the device calls' status words, checked at the next plan
 
     def plan(self, batch: Batch, rows: int) -> None:
@@ -234,6 +236,7 @@ class KvpolicyPagedAttention(TorchPagedAttention):
                 lengths.append(n)
             start += q
         self.decoding = len(rows_of)
+        self.workspace, self.sized = None, False
         if self.decoding:
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]  # past a row's length: never read
@@ -258,7 +261,12 @@ class KvpolicyPagedAttention(TorchPagedAttention):
             cache = kvpolicy.PagedCache("nhd", k=[k_cache.view(-1, b, h_kv, d)], v=[v_cache.view(-1, b, h_kv, d)],
                                         block_table=self.table, lengths=self.lengths,
                                         live=None if live is None else live.view(1, -1, b, h_kv))
-            r = kvpolicy.decode_attention(q, cache, scale=self.scale, max_tokens=self.max_tokens, check=False)
+            if not self.sized:  # one sizing per step, not one per layer (0 on the host: no workspace)
+                need = kvpolicy.decode_attention_workspace_bytes(q, cache, max_tokens=self.max_tokens)
+                self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device) if need else None
+                self.sized = True
+            r = kvpolicy.decode_attention(q, cache, scale=self.scale, max_tokens=self.max_tokens,
+                                          workspace=self.workspace, check=False)
             if r.status is not None:
                 self.statuses.append(r.status)
             if everything:
