@@ -55,8 +55,12 @@ kvp::decode_rows rows_of(A& a, const char* field, const place& at) {
           "has strides {}; a row's head_dim elements must be adjacent (last stride 1)", strides_of(a));
   require(a.shape(0) <= INT32_MAX && a.shape(1) <= INT32_MAX && a.shape(2) <= INT32_MAX, field,
           "has shape {}; each axis at most 2^31 - 1", shape_of(a));
+  // The stride of an axis of one entry means nothing (frameworks report any value there: a
+  // [1, h, d] view of a transposed tensor is "contiguous" with stride(0) d): take the span.
+  const std::int64_t head_stride = a.shape(1) <= 1 ? a.shape(2) : a.stride(1);
+  const std::int64_t item_stride = a.shape(0) <= 1 ? a.shape(1) * head_stride : a.stride(0);
   return {const_cast<void*>(static_cast<const void*>(a.data())), static_cast<std::int32_t>(a.shape(1)),
-          static_cast<std::int32_t>(a.shape(2)), cache_dtype(a, field), a.stride(0), a.stride(1)};
+          static_cast<std::int32_t>(a.shape(2)), cache_dtype(a, field), item_stride, head_stride};
 }
 
 // An optional int32 vector of `n` entries where the cache lives.

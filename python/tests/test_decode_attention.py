@@ -153,6 +153,20 @@ def test_per_head_defaults_and_out():
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
+def test_one_item_with_any_item_stride():
+    """An axis of one entry has no meaningful stride: a [1, h_q, d] view of a [h_q, 1, d] tensor
+    (what transposing the engine's [1, h_q, tokens, d] query gives, which frameworks call
+    contiguous) is one item, not an error."""
+    torch = pytest.importorskip("torch")
+    case = make_per_head_case(L=1, seqs=2, H=2, b=4, d=16, seed=4)
+    q = torch.from_numpy(_queries(np.random.default_rng(5), 1, 4, 16)[0][:, None, :].copy()).transpose(0, 1)
+    assert q.stride(0) == 16 and q.is_contiguous()  # an item stride shorter than its 4 x 16 elements
+    k, v, tables, lengths = (torch.from_numpy(case[n]) for n in ("k", "v", "tables", "lengths"))
+    r = kvpolicy.decode_attention_per_head(q, k, v, tables, lengths, seqs=[1])
+    want, _ = per_head_reference(case, q.numpy(), 0, [1], 1 / math.sqrt(16))
+    np.testing.assert_allclose(r.out.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("with_counts", [False, True])
 @pytest.mark.parametrize("with_live", [False, True])
 def test_paged_against_reference(with_counts, with_live):

@@ -110,7 +110,10 @@ def _items(policy, lengths, block_size: int, seqs, blocks_to_free, logical_lengt
         counts = _core.kv_compress_blocks_to_free(policy, host_lengths, block_size,
                                                   np.ascontiguousarray(seq), np.ascontiguousarray(logical))
     else:
-        b = _host_ints("blocks_to_free", blocks_to_free, n, allow_2d=per_layer)
+        b = _host_ints("blocks_to_free", blocks_to_free, n, allow_2d=True)
+        if not per_layer and b.ndim == 2 and b.shape[1] != 1:  # [n, 1] is what blocks_to_free() returns
+            raise Error(f"kvpolicy: blocks_to_free: has shape {b.shape}; the policy's budget is per sequence: an "
+                        f"int, [{n}] or [{n}, 1]", "blocks_to_free")
         if not per_layer:
             b = b.reshape(-1, 1) if b.ndim else b.reshape(1, 1)
         try:
@@ -145,6 +148,8 @@ def _device_items(policy, num_layers: int, seqs, blocks_to_free, logical_lengths
                         "logical_lengths")
         groups = num_layers if per_layer else 1
         if not per_layer:
+            if counts.ndim == 2 and counts.shape[1] == 1:  # [n, 1], as blocks_to_free() returns
+                counts = counts.reshape(-1)
             if counts.ndim > 1 or (counts.ndim == 1 and counts.shape[0] != n):
                 raise Error(f"kvpolicy: blocks_to_free: has shape {tuple(counts.shape)}; expected an int or {n} "
                             "values", "blocks_to_free")
