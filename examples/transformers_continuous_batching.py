@@ -206,7 +206,8 @@ def main(argv=None) -> int:
     def preset(name):
         p = kvpolicy.preset(name)
         if args.window is not None and name != "streaming_llm":
-            p = kvpolicy.preset(name, window=args.window)
+            # KV-Compress's observation window is its metric's (its protected window stays 64).
+            p = kvpolicy.preset(name, **{"metric_window" if name == "kv_compress" else "window": args.window})
         return p
 
     def adapter_for(name, budget):

@@ -365,7 +365,7 @@ def refused(field, fn, match=None):
 
 
 def test_refused_presets_and_arguments():
-    assert "per-head block pool" in refused("policy", lambda: Adapter(kvpolicy.KVCompress(), budget=64))
+    refused("attention", lambda: Adapter(kvpolicy.KVCompress(), budget=64), "attention='kvpolicy'")
     refused("policy", lambda: Adapter(kvpolicy.Kara(), budget=64), "newest queries")
     refused("budget", lambda: Adapter(kvpolicy.SnapKV()), "pass budget=")
     refused("max_requests", lambda: Adapter(kvpolicy.SnapKV(), budget=64, max_requests=0))

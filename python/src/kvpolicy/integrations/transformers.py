@@ -37,10 +37,13 @@ What it does, between decode steps of the engine's own loop:
 - with ``attention="flashinfer"``, ``"kvpolicy"`` (kvpolicy's own decode attention, which
   reads only the slots each Hard-KV head kept) or ``"torch"``, runs the engine's attention
   itself over its blocks, planned once per step (``kvpolicy.integrations.paged_attention``),
-  with the engine on its decode fast path and without its [tokens, all keys] mask.
+  with the engine on its decode fast path and without its [tokens, all keys] mask;
+- for KV-Compress (``attention="kvpolicy"``), carves per-head blocks out of the engine's
+  blocks (``kvpolicy.integrations.transformers_kv_compress``): each head holds its own
+  blocks, and the engine gets back the blocks no head needs.
 
-Refused at attach time, with the reason: KV-Compress (per-head block tables need a
-per-head block pool beside the engine's), Kara (its window queries), block sharing / prefix caching,
+Refused at attach time, with the reason: KV-Compress with another attention, Kara (its window
+queries), block sharing / prefix caching,
 CPU offloading, asynchronous batching, CUDA graphs and torch.compile of the forward,
 sliding-window layers, tensor parallelism, ``num_return_sequences > 1``, flash paged
 attention, and untested transformers versions.
@@ -173,6 +176,8 @@ class _Record:
     seen: int = 0  # queries written to its slot since the record began
     delta: int = 0  # logical length - physical length (position_offset)
     seq: SequenceState = dataclasses.field(default_factory=SequenceState)
+    row: int = -1  # KV-Compress: its table row in the per-head pool (-1 until its first step)
+    metric_ready: bool = False  # KV-Compress: its prompt's metric is written
 
 
 class Adapter:
@@ -198,7 +203,8 @@ class Adapter:
     the other two are tested against). ``"kvpolicy"``: kvpolicy's own decode attention
     (``kvpolicy.decode_attention``: on CUDA its split-K kernel, bf16/f16 with head dim 64 or
     128; on the CPU its host reference) for the one-token requests, skipping the slots
-    Hard-KV's heads dropped, and the torch SDPA for prompt chunks.
+    Hard-KV's heads dropped, and the torch SDPA for prompt chunks; the one attention
+    KV-Compress (``kvpolicy.KVCompress()``, ``budget`` its tokens per layer and KV head) takes.
     ``Adapter(None, attention="flashinfer")`` runs the engine with that attention and no
     compression: the baseline a comparison needs.
 
@@ -220,14 +226,11 @@ class Adapter:
             import_flashinfer()  # a missing or untested FlashInfer fails here, not mid-run
         if policy is not None:
             if name == "kv_compress":
-                _refuse("policy", "KV-Compress evicts blocks per (layer, KV head), so each head holds its own "
-                        "block table, and transformers' cache and block manager keep one table for every head: "
-                        "the adapter would need a per-head block pool of its own beside the engine's (the "
-                        "per-head decode attention exists: kvpolicy.decode_attention_per_head), not built yet")
+                policy = _kv_compress_policy(policy, budget, trigger, attention)
             if name == "kara":
                 _refuse("policy", "Kara compresses a window of older tokens with that window's own queries "
                         "(docs/integration.md, section 7); the adapter keeps only the newest queries")
-            if name not in kvpolicy.PRESETS:
+            if name not in kvpolicy.PRESETS and name != "kv_compress":
                 _refuse("policy", f"is {policy!r}; expected a kvpolicy preset ({', '.join(kvpolicy.PRESETS)})")
             if trigger is None and budget is None:
                 _refuse("budget", "is None; pass budget= (the preset's own trigger) or trigger=")
@@ -242,8 +245,9 @@ class Adapter:
         self.max_requests = max_requests
         self.attention = attention
         self.stats = Stats()
-        self._spec = None if policy is None else kvpolicy.torch_ops.policy_spec(policy)
-        self._window = 0 if policy is None or name in _NO_QUERIES else int(policy.params()["window"])
+        self._spec = None if policy is None or name == "kv_compress" else kvpolicy.torch_ops.policy_spec(policy)
+        self._window = 0 if policy is None or name in _NO_QUERIES else int(policy.params().get(
+            "window", policy.params().get("metric_window", 0)))  # KV-Compress: its metric's query window
         self._undo: list = []
         self._managers: list = []
         self._runs: dict = {}  # id(batch processor) -> _Run
@@ -291,7 +295,8 @@ class Adapter:
     def protected_tokens(self) -> int:
         """Tokens the preset always keeps: its observation window and sinks."""
         params = self.policy.params()
-        return params.get("protect_window", params.get("window", 0)) + params.get("sinks", 0)
+        window = params.get("protect_window", params.get("protected_window", params.get("window", 0)))
+        return window + params.get("sinks", 0)
 
     def trigger_for(self, block_size: int):
         """The trigger used with blocks of ``block_size`` tokens (validated)."""
@@ -373,9 +378,36 @@ class Adapter:
         if run is not None:  # the manager reset and reused it: nothing running any more
             run.reset()
             return
-        run = _Run(self, processor, model)
+        if self.policy_name == "kv_compress":
+            from .transformers_kv_compress import PerHeadRun  # a _Run of its own (imports this module)
+
+            run = PerHeadRun(self, processor, model)
+        else:
+            run = _Run(self, processor, model)
         self._runs[id(processor)] = run
         self._undo.append(run.unhook)
+
+
+def _kv_compress_policy(policy, budget, trigger, attention: str):
+    """KV-Compress as the adapter runs it: its budget in tokens per (layer, KV head) from the
+    policy (max_cache_tokens or compression_rate) or, if it has none, from ``budget`` (or the
+    trigger's); its attention kvpolicy's per-head decode, which also updates its metric."""
+    if attention != "kvpolicy":
+        _refuse("attention", f"is {attention!r}; KV-Compress gives each (layer, KV head) its own blocks, which only "
+                "kvpolicy's per-head decode attention reads (it also adds each query's squared attention to "
+                "KV-Compress's metric): pass attention='kvpolicy'")
+    params = policy.params()
+    own = params["max_cache_tokens"] >= 0 or params["compression_rate"] < 1.0
+    tokens = budget if budget is not None else getattr(trigger, "budget", None)
+    if own:
+        if budget is not None and budget != params["max_cache_tokens"]:
+            _refuse("budget", f"is {budget}, and the policy has its own budget (max_cache_tokens "
+                    f"{params['max_cache_tokens']}, compression_rate {params['compression_rate']}): pass one")
+        return policy
+    if tokens is None:
+        _refuse("budget", "is None and KVCompress has no budget of its own: pass budget= (tokens per layer and KV "
+                "head, on average: KV-Compress's max_cache_tokens) or set max_cache_tokens / compression_rate")
+    return kvpolicy.KVCompress(**{**params, "max_cache_tokens": int(tokens)})
 
 
 def _attention_scale(model) -> float:
@@ -502,10 +534,8 @@ class _Run:
         if self.policy is not None:
             self.trigger = adapter.trigger_for(b)
             self.protected = adapter.protected_tokens()  # a request no longer than this has nothing to drop
-            # The engine's tensors as the nhd layout: the two trash blocks are blocks nb and nb + 1.
-            self.k = [t.view(nb + 2, b, h_kv, d) for t in cache.key_cache]
-            self.v = [t.view(nb + 2, b, h_kv, d) for t in cache.value_cache]
             device = cache.key_cache[0].device
+            self._views()
             self.h_q = processor.config.num_attention_heads
             self.window = adapter._window
             slots = adapter.max_requests or processor.cb_config.max_requests_per_batch
@@ -525,15 +555,26 @@ class _Run:
         self.engine_mask = None
         self._capped: dict = {}  # Hard-KV: L_upper -> the policy's spec with that cap
         if adapter.attention != "engine":
-            device, scale = cache.key_cache[0].device, _attention_scale(model)
-            if adapter.attention == "flashinfer":
-                self.backend = FlashInferPagedAttention(b, cache.write_trash_index, device, scale,
-                                                        processor.config.num_attention_heads, h_kv, cache.head_dim,
-                                                        cache.dtype)
-            else:
-                backend = KvpolicyPagedAttention if adapter.attention == "kvpolicy" else TorchPagedAttention
-                self.backend = backend(b, cache.write_trash_index, device, scale)
+            self.backend = self._backend(_attention_scale(model))
         self._hook()
+
+    def _views(self) -> None:
+        """The engine's tensors as the nhd layout: the two trash blocks are blocks nb and nb + 1."""
+        cache = self.cache
+        shape = (cache.num_blocks + 2, cache.block_size, cache.num_key_value_heads, cache.head_dim)
+        self.k = [t.view(shape) for t in cache.key_cache]
+        self.v = [t.view(shape) for t in cache.value_cache]
+
+    def _backend(self, scale: float):
+        """The attention the adapter runs over the engine's blocks (Adapter's ``attention``)."""
+        cache, attention = self.cache, self.adapter.attention
+        device = cache.key_cache[0].device
+        if attention == "flashinfer":
+            return FlashInferPagedAttention(cache.block_size, cache.write_trash_index, device, scale,
+                                            self.processor.config.num_attention_heads, cache.num_key_value_heads,
+                                            cache.head_dim, cache.dtype)
+        backend = KvpolicyPagedAttention if attention == "kvpolicy" else TorchPagedAttention
+        return backend(cache.block_size, cache.write_trash_index, device, scale)
 
     # -- hooks on the batch processor's instance -------------------------------------------
 
@@ -636,7 +677,7 @@ class _Run:
             rec.seen += q
             self.batch.append((rec, q, state.generated_len() > 0))
             if self.backend is not None:
-                plan.append((blocks_of[state.request_id], past, q))
+                plan.append((rec, blocks_of[state.request_id], past, q))
         if shifted:
             ids = self.io.position_ids
             ids[: len(positions)] = torch.tensor(positions, dtype=ids.dtype, device=ids.device)
@@ -645,10 +686,15 @@ class _Run:
             dst.extend([self.trash_row] * (padded - len(dst)))
             self.dst[:padded] = torch.tensor(dst, dtype=torch.int64, device=self.dst.device)
         if self.backend is not None:
-            self.backend.plan(plan, self.io.num_q_tokens)  # once per step, for every layer
+            self._plan_attention(plan)
         stream = self.io.compute_stream
         if stream is not None and (shifted or w or self.backend is not None):
             stream.wait_stream(torch.cuda.current_stream())  # the forward reads what was just written here
+
+    def _plan_attention(self, plan) -> None:
+        """The backend's plan, once per step for every layer: ``plan`` holds (record, blocks,
+        cache length before the step, query tokens) per request of the batch."""
+        self.backend.plan([(blocks, past, q) for _, blocks, past, q in plan], self.io.num_q_tokens)
 
     # -- the attention (per layer) ---------------------------------------------------------
 
@@ -714,19 +760,13 @@ class _Run:
         stats = self.adapter.stats
         self.step += 1
         active = self.processor.scheduler.active_requests
-        for rec, q, decode in self.batch:
-            if active.get(rec.state.request_id) is rec.state:
-                rec.seq.length = rec.state.position_offset
-                if decode:
-                    rec.seq.generated_since_compression += q
-        self.batch = []
         for rid in [rid for rid, rec in self.records.items() if active.get(rid) is not rec.state]:
             self._drop(rid)  # finished, cancelled or soft reset: its blocks are the engine's again
+        self._advance([(rec, q, decode) for rec, q, decode in self.batch
+                       if self.records.get(rec.state.request_id) is rec])
+        self.batch = []
         if self.policy is not None:
-            due = [rec for rid, rec in self.records.items()
-                   if rec.slot >= 0 and rec.state.status == RequestStatus.DECODING and rec.seen >= self.window
-                   and rec.seq.length == rec.state.position_offset and rec.seq.length > self.protected
-                   and self.trigger.due(rec.seq, self.step)]
+            due = [rec for rec in self.records.values() if self._due(rec)]
             if due:
                 started = time.perf_counter()
                 self._compress(due)
@@ -735,6 +775,19 @@ class _Run:
         if self.step_started is not None:
             stats.step_seconds += time.perf_counter() - self.step_started
             self.step_started = None
+
+    def _advance(self, batch) -> None:
+        """The step's requests still running: ``(record, query tokens, decode?)``."""
+        for rec, q, decode in batch:
+            rec.seq.length = rec.state.position_offset
+            if decode:
+                rec.seq.generated_since_compression += q
+
+    def _due(self, rec) -> bool:
+        """Whether the trigger compresses ``rec`` after this step."""
+        return (rec.slot >= 0 and rec.state.status == RequestStatus.DECODING and rec.seen >= self.window
+                and rec.seq.length == rec.state.position_offset and rec.seq.length > self.protected
+                and self.trigger.due(rec.seq, self.step))
 
     def _compress(self, due) -> None:
         b, n = self.block_size, len(due)

@@ -115,8 +115,10 @@ class Interval:
         return min(self.budget, s.length)
 
 
-# Each preset's trigger as SPEC.md's preset table gives it (Kara's periodic trigger and
-# KV-Compress's prefill trigger are not here: the adapter refuses those presets).
+# Each preset's trigger as SPEC.md's preset table gives it (Kara's periodic trigger is not
+# here: the adapter refuses Kara). KV-Compress compresses after a prefill or before a
+# preemption in its own engine; in one whose scheduler the adapter does not replace, it
+# compresses as R-KV does, every 128 generated tokens once over its budget.
 _DEFAULT_TRIGGER = {
     "zipage": "threshold",
     "snapkv": "threshold",
@@ -126,6 +128,7 @@ _DEFAULT_TRIGGER = {
     "gkv": "buffer",
     "hard_kv": "interval",
     "hard_kv_rkv": "interval",
+    "kv_compress": "buffer",
 }
 
 
