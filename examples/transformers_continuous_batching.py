@@ -267,7 +267,13 @@ def main(argv=None) -> int:
             "compressions": s.compressions, "compression_events": s.compression_events,
             "tokens_evicted": s.tokens_evicted, "blocks_freed": s.blocks_freed,
             "step_seconds": s.step_seconds, "compress_seconds": s.compress_seconds,
-            "compress_share": s.compress_share})
+            "compress_share": s.compress_share, "adapter_prepare_seconds": s.prepare_seconds,
+            "adapter_attention_seconds": s.attention_seconds, "adapter_update_seconds": s.update_seconds})
+        if s.steps:
+            per = 1e3 / s.steps
+            print(f"    per step: {s.step_seconds * per:.2f} ms; the adapter's host time: prepare "
+                  f"{s.prepare_seconds * per:.2f}, attention {s.attention_seconds * per:.2f} (all layers), update "
+                  f"{s.update_seconds * per:.2f}, compression {s.compress_seconds * per:.2f} ms", flush=True)
         if tokenizer is not None:
             print(f"    request 0: {tokenizer.decode(tokens[0][:48])!r}")
         if args.json:  # after every run: a run cut short by a time limit keeps the ones before it

@@ -149,6 +149,11 @@ class Stats:
     steps: int = 0  # engine steps (one forward each)
     step_seconds: float = 0.0  # wall time of the steps: scheduling, forward, update, compression
     compress_seconds: float = 0.0  # of which compression (the op, its wait and the bookkeeping)
+    # The adapter's own host time per phase, of the step time (where a step is bound by its
+    # Python, these are what the adapter adds to it):
+    prepare_seconds: float = 0.0  # after the engine built a batch: records, positions, the attention's plan
+    attention_seconds: float = 0.0  # inside the attention calls (every layer): Python and launches
+    update_seconds: float = 0.0  # after the step, compression excluded: triggers, lengths, positions
     compression_events: int = 0  # steps that compressed at least one request
     compressions: int = 0  # requests compressed (items)
     tokens_evicted: int = 0
@@ -591,7 +596,9 @@ class _Run:
             requests = args[0] if args else kwargs["requests_in_batch"]
             before = [(fs, fs.state.position_offset) for fs in requests]
             shipped_prepare(*args, **kwargs)
+            started = time.perf_counter()
             self._after_prepare(before)
+            self.adapter.stats.prepare_seconds += time.perf_counter() - started
 
         def update_batch():
             shipped_update()
@@ -699,6 +706,13 @@ class _Run:
     # -- the attention (per layer) ---------------------------------------------------------
 
     def attention(self, shipped, module, query, key, value, attention_mask, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self._attention(shipped, module, query, key, value, attention_mask, **kwargs)
+        finally:
+            self.adapter.stats.attention_seconds += time.perf_counter() - started
+
+    def _attention(self, shipped, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
         if self.ring is not None:
             t = query.shape[2]
@@ -758,6 +772,8 @@ class _Run:
 
     def _after_step(self) -> None:
         stats = self.adapter.stats
+        began = time.perf_counter()
+        compressing = 0.0
         self.step += 1
         active = self.processor.scheduler.active_requests
         for rid in [rid for rid, rec in self.records.items() if active.get(rid) is not rec.state]:
@@ -770,7 +786,9 @@ class _Run:
             if due:
                 started = time.perf_counter()
                 self._compress(due)
-                stats.compress_seconds += time.perf_counter() - started
+                compressing = time.perf_counter() - started
+                stats.compress_seconds += compressing
+        stats.update_seconds += time.perf_counter() - began - compressing
         stats.steps += 1
         if self.step_started is not None:
             stats.step_seconds += time.perf_counter() - self.step_started
