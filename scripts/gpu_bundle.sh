@@ -27,7 +27,8 @@ if ! command -v nvcc >/dev/null 2>&1; then
 fi
 
 KVP_BUILD=$BUILD kvp_configure -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
-  -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_EXAMPLES=ON -DKVPOLICY_BUILD_BENCHMARKS=ON
+  -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_EXAMPLES=ON -DKVPOLICY_BUILD_BENCHMARKS=ON \
+  -DKVPOLICY_BUILD_GPU_UNIT_TESTS=ON
 cmake --build "$BUILD" -j "$(kvp_jobs)" \
   --target kvpolicy_gpu_tests kvpolicy_gpu_unit_tests kvpolicy_bench kvpolicy_demo kvpolicy_custom_scorer kvpolicy_decode_loop kvp_capi
 

@@ -20,7 +20,8 @@ model's wheel), each skipped test with its reason:
   python -m pytest tools/fidelity/tests -q -rs
 
   (no option)   build everything in build/ ($KVPOLICY_BUILD_DIR if set), the CUDA
-                targets too when nvcc is found (they are compiled, not run), as CI does
+                targets too when nvcc is found (they are compiled, not run), as CI does;
+                the benchmarks and the GPU unit tests only where a GPU is visible
   --host-only   build in build-host/ ($KVPOLICY_BUILD_DIR if set) with
                 -DKVPOLICY_ENABLE_CUDA=OFF: no nvcc, a few minutes
   -h, --help    print this and exit
