@@ -279,13 +279,19 @@ class KvpolicyPagedAttention(TorchPagedAttention):
 
     def check(self) -> None:
         """Raises the kvpolicy.Error a device call of the last step found (one wait for them all)."""
-        if not self.statuses:
-            return
-        import kvpolicy
+        statuses, self.statuses = self.statuses, []
+        raise_first_status(statuses)
 
-        words = torch.stack(self.statuses)
-        self.statuses = []
-        bad = torch.nonzero(words.any(dim=1)).flatten().tolist()
-        if bad:
-            kvpolicy.DecodeAttentionResult(out=None, status=words[bad[0]],
-                                           stream=int(torch.cuda.current_stream(words.device).cuda_stream)).check()
+
+def raise_first_status(statuses: list) -> None:
+    """Raises the kvpolicy.Error the first of these device status words holds (one wait for
+    them all: a stack and one read back); nothing when they are all clear or there are none."""
+    if not statuses:
+        return
+    import kvpolicy
+
+    words = torch.stack(statuses)
+    bad = torch.nonzero(words.any(dim=1)).flatten().tolist()
+    if bad:
+        kvpolicy.DecodeAttentionResult(out=None, status=words[bad[0]],
+                                       stream=int(torch.cuda.current_stream(words.device).cuda_stream)).check()

@@ -30,6 +30,7 @@ import torch
 
 import kvpolicy
 
+from .paged_attention import raise_first_status
 from .per_head_pool import PerHeadPool
 from .transformers import RequestStatus, _refuse, _Run
 
@@ -148,14 +149,8 @@ class PerHeadAttention:
 
     def check(self) -> None:
         """Raises the kvpolicy.Error a device call of the last step found (one wait for them all)."""
-        if not self.statuses:
-            return
-        words = torch.stack(self.statuses)
-        self.statuses = []
-        bad = torch.nonzero(words.any(dim=1)).flatten().tolist()
-        if bad:
-            kvpolicy.DecodeAttentionResult(out=None, status=words[bad[0]],
-                                           stream=int(torch.cuda.current_stream(words.device).cuda_stream)).check()
+        statuses, self.statuses = self.statuses, []
+        raise_first_status(statuses)
 
 
 class PerHeadRun(_Run):
