@@ -208,6 +208,34 @@ def test_compression_returns_engine_blocks_and_more_requests_run(device, monkeyp
         assert seen == list(range(len(out[rid].prompt_ids) + 120 - 1)), rid
 
 
+def test_a_request_the_engine_resets_starts_again_with_a_new_row(monkeypatch):
+    """A pool too small for the requests between compressions: the engine soft-resets a starved
+    request (frees its blocks, re-prefills its tokens). The adapter gives its table row back and
+    the request starts again from position 0 in a new one; every request still finishes."""
+    model = tiny_model()
+    recorder = Recorder(monkeypatch)
+    given_back = []
+    shipped = kvc.PerHeadPool.give_row
+
+    def give_row(self, row):
+        given_back.append(row)
+        shipped(self, row)
+
+    monkeypatch.setattr(kvc.PerHeadPool, "give_row", give_row)
+    kvc_adapter = adapter(budget=32, size=48)
+    out = run(model, prompts(count=4, low=30, high=40), 90, kvc_adapter, num_blocks=64)
+    assert kvc_adapter.stats.compressions > 0
+    restarted = 0
+    for rid, seen in recorder.positions().items():
+        starts = [i for i, p in enumerate(seen) if p == 0] + [len(seen)]
+        segments = [seen[a:b] for a, b in zip(starts, starts[1:])]
+        for segment in segments:
+            assert segment == list(range(len(segment))), rid
+        assert segments[-1][-1] == len(out[rid].prompt_ids) + 90 - 2, rid
+        restarted += len(segments) > 1
+    assert restarted and len(given_back) >= 4 + restarted  # a row back for each reset and each end
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gathering_heads_into_fewer_engine_blocks_moves_no_held_byte(device, monkeypatch):
     model = model_for(device)
