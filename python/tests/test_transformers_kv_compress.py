@@ -208,6 +208,27 @@ def test_compression_returns_engine_blocks_and_more_requests_run(device, monkeyp
         assert seen == list(range(len(out[rid].prompt_ids) + 120 - 1)), rid
 
 
+def test_a_prompt_longer_than_the_budget_is_compressed_once_it_is_complete(monkeypatch):
+    """KV-Compress compresses after a prefill: a prompt over the budget is compressed at the step
+    its prompt is complete (one generated token), not after the buffer trigger's 128 tokens."""
+    model = tiny_model()
+    first = {}  # request -> (generated tokens, mean held tokens per head) at its first compression
+    shipped = kvc.PerHeadRun._compress
+
+    def compress(self, due):
+        shipped(self, due)
+        for rec in due:
+            first.setdefault(rec.state.request_id, (rec.state.generated_len(), rec.seq.length))
+
+    monkeypatch.setattr(kvc.PerHeadRun, "_compress", compress)
+    inputs = prompts(count=3, low=40, high=60)
+    run(model, inputs, 20, adapter(budget=24, size=128))
+    assert set(first) == {f"req_{i}" for i in range(3)}
+    for rid, (generated, held) in first.items():
+        assert generated == 1, rid
+        assert held <= 24 + BLOCK, rid  # the budget, rounded up to whole blocks per head
+
+
 def test_a_request_the_engine_resets_starts_again_with_a_new_row(monkeypatch):
     """A pool too small for the requests between compressions: the engine soft-resets a starved
     request (frees its blocks, re-prefills its tokens). The adapter gives its table row back and

@@ -183,6 +183,7 @@ class _Record:
     seq: SequenceState = dataclasses.field(default_factory=SequenceState)
     row: int = -1  # KV-Compress: its table row in the per-head pool (-1 until its first step)
     metric_ready: bool = False  # KV-Compress: its prompt's metric is written
+    prefilled_at: int = -1  # KV-Compress: the step its prompt was complete after
 
 
 class Adapter:

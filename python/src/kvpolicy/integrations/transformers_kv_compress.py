@@ -17,7 +17,8 @@ Differences from the other presets' run (``transformers._Run``):
   engine block for the next token (``PerHeadPool.engine_blocks_next``), and the logical
   position lives in the record's ``delta`` as for the other presets.
 - A compression (``kvpolicy.compress_per_head``, the trigger's budget as KV-Compress's
-  ``max_cache_tokens``) frees per-head blocks; the pool then gathers the request's heads into
+  ``max_cache_tokens``; due as soon as a prompt longer than the budget is complete, as
+  KV-Compress compresses after a prefill, then by the trigger) frees per-head blocks; the pool then gathers the request's heads into
   as few engine blocks as hold them and hands the rest back to the engine's block manager.
 """
 
@@ -237,11 +238,17 @@ class PerHeadRun(_Run):
                 self.backend.statuses.append(r.status)
         for rec in recs:
             rec.metric_ready = True
+            rec.prefilled_at = self.step
 
     def _due(self, rec) -> bool:
-        return (rec.slot >= 0 and rec.metric_ready and rec.state.status == RequestStatus.DECODING
-                and rec.seen >= self.window and rec.seq.length > self.protected
-                and self.trigger.due(rec.seq, self.step))
+        """The trigger's rule, and KV-Compress's own after a prefill: a prompt longer than the
+        budget is compressed as soon as it is complete (its metric written), not 128 tokens later."""
+        if not (rec.slot >= 0 and rec.metric_ready and rec.state.status == RequestStatus.DECODING
+                and rec.seen >= self.window and rec.seq.length > self.protected):
+            return False
+        budget = getattr(self.trigger, "budget", None)
+        after_prefill = rec.prefilled_at == self.step and budget is not None and rec.seq.length > budget
+        return after_prefill or self.trigger.due(rec.seq, self.step)
 
     def _compress(self, due) -> None:
         pool, b = self.pool, self.block_size

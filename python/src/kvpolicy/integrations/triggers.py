@@ -117,8 +117,9 @@ class Interval:
 
 # Each preset's trigger as SPEC.md's preset table gives it (Kara's periodic trigger is not
 # here: the adapter refuses Kara). KV-Compress compresses after a prefill or before a
-# preemption in its own engine; in one whose scheduler the adapter does not replace, it
-# compresses as R-KV does, every 128 generated tokens once over its budget.
+# preemption in its own engine; the transformers adapter compresses it after a prefill
+# (transformers_kv_compress) and, since it does not replace the engine's scheduler, as
+# R-KV does, every 128 generated tokens once over its budget.
 _DEFAULT_TRIGGER = {
     "zipage": "threshold",
     "snapkv": "threshold",
