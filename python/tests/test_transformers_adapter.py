@@ -52,14 +52,14 @@ def prompts(count=6, low=20, high=50, seed=1):
     return [torch.randint(1, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
 
 
-def run(model, inputs, new_tokens, adapter=None, num_blocks=64):
+def run(model, inputs, new_tokens, adapter=None, num_blocks=64, block_size=BLOCK):
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = cb_config(num_blocks, block_size=block_size)
     if adapter is None:
-        out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb_config(num_blocks))
+        out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb)
     else:
         with adapter.attach(model):
-            out = model.generate_batch(inputs, generation_config=gen,
-                                       continuous_batching_config=cb_config(num_blocks))
+            out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb)
     assert len(out) == len(inputs)
     for o in out.values():
         assert o.error is None, o.error

@@ -25,8 +25,9 @@ from kvpolicy.integrations import transformers_kv_compress as kvc  # noqa: E402
 from kvpolicy.integrations.per_head_pool import PerHeadPool  # noqa: E402
 from kvpolicy.integrations.transformers import Adapter  # noqa: E402
 from kvpolicy.integrations.triggers import Buffer  # noqa: E402
-from test_transformers_adapter import DEVICES, VOCAB, Recorder, cb_config, prompts, refused, tiny_model  # noqa: E402
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+import test_transformers_adapter as adapter_test  # noqa: E402
+from test_transformers_adapter import DEVICES, VOCAB, Recorder, prompts, refused, tiny_model  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 # Blocks of 4 tokens: KV-Compress evicts whole blocks per head, and on the tiny random model's
 # short rows blocks of 16 leave every head the same count.
@@ -34,15 +35,7 @@ BLOCK = 4
 
 
 def run(model, inputs, new_tokens, adapter, num_blocks=160):
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with adapter.attach(model):
-        out = model.generate_batch(inputs, generation_config=gen,
-                                   continuous_batching_config=cb_config(num_blocks, block_size=BLOCK))
-    assert len(out) == len(inputs)
-    for o in out.values():
-        assert o.error is None, o.error
-        assert len(o.generated_tokens) == new_tokens
-    return out
+    return adapter_test.run(model, inputs, new_tokens, adapter, num_blocks=num_blocks, block_size=BLOCK)
 
 
 def model_for(device):

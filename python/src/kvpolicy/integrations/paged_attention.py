@@ -271,16 +271,22 @@ class KvpolicyPagedAttention(TorchPagedAttention):
                 self.statuses.append(r.status)
             if everything:
                 return r.out
-            if self.decode_rows is None:
-                out[: self.decoding] = r.out
-            else:
-                out.index_copy_(0, self.decode_rows, r.out)
+            put_decode_rows(out, self.decode_rows, r.out)
         return self._attend_requests(query, k_cache, v_cache, live, out)
 
     def check(self) -> None:
         """Raises the kvpolicy.Error a device call of the last step found (one wait for them all)."""
         statuses, self.statuses = self.statuses, []
         raise_first_status(statuses)
+
+
+def put_decode_rows(out: torch.Tensor, rows: Optional[torch.Tensor], decoded: torch.Tensor) -> None:
+    """The one-token requests' outputs into their query rows of ``out`` (``rows`` None: the
+    first ``len(decoded)`` rows)."""
+    if rows is None:
+        out[: decoded.shape[0]] = decoded
+    else:
+        out.index_copy_(0, rows, decoded)
 
 
 def raise_first_status(statuses: list) -> None:

@@ -31,7 +31,7 @@ import torch
 
 import kvpolicy
 
-from .paged_attention import raise_first_status
+from .paged_attention import put_decode_rows, raise_first_status
 from .per_head_pool import PerHeadPool
 from .transformers import RequestStatus, _refuse, _Run
 
@@ -134,10 +134,7 @@ class PerHeadAttention:
                 self.statuses.append(r.status)
             if everything:
                 return r.out
-            if self.decode_rows is None:
-                out[: self.decoding] = r.out
-            else:
-                out.index_copy_(0, self.decode_rows, r.out)
+            put_decode_rows(out, self.decode_rows, r.out)
         h_q, h_kv = query.shape[1], pool.h
         for start, q, index, allowed in self.prefills:
             k = kf.index_select(0, index[layer].reshape(-1)).view(h_kv, -1, d)  # [h_kv, n, d]
